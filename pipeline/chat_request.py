@@ -1,0 +1,319 @@
+"""Parse an OpenAI `POST /v1/chat/completions` body into plain dataclasses.
+
+Two steps: pydantic models check the shape and types of the subset of the
+OpenAI request we serve (unknown fields are ignored, since OpenAI clients send
+extras), then `parse_chat_request` checks the meaning (roles, parts, image
+limits) and flattens images into one list in order of appearance, leaving an
+`ImagePlaceholder(index)` where each image sits in its message.
+
+Decision: images are accepted in user messages only. Chat templates of the VLMs
+we serve (LLaVA, Qwen2-VL) place image tokens where the user turn puts them;
+an image in a system or assistant turn is either dropped silently or breaks the
+template, so we reject it with a clear 400 instead.
+
+Every error is an IrisError 400 whose `param` names the offending field, e.g.
+`messages[1].content[0].image_url`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.errors import IrisError, bad_request
+
+MAX_UUID_CHARS = 512
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+
+
+# ---------------------------------------------------------------------------
+# Request body (shape and types only)
+# ---------------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    # strict: a known field with the wrong JSON type ("5" for max_tokens,
+    # "true" for stream) is a 400, not silently coerced.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ImageURLModel(_Model):
+    # url may be absent/null when the part carries a uuid (upload-free).
+    url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPartModel(_Model):
+    # One model for every part type, so an unknown type gets our own message
+    # (see _parse_part) instead of a pydantic union error.
+    type: str
+    text: str | None = None
+    image_url: ImageURLModel | None = None
+    uuid: str | None = None
+
+
+class MessageModel(_Model):
+    # "developer" is OpenAI's newer name for "system"; we treat it as system.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: list[ContentPartModel] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_to_text_part(cls, v: Any) -> Any:
+        # A plain string is a single text part; keeping one form downstream
+        # also keeps error locations free of pydantic's union branch names.
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if v is not None and not isinstance(v, list):
+            raise ValueError("must be a string or a list of content parts")
+        return v
+
+
+class StreamOptionsModel(_Model):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(_Model):
+    model: str | None = None
+    messages: list[MessageModel]
+    stream: bool | None = None
+    stream_options: StreamOptionsModel | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # int64, as OpenAI documents; anything larger would overflow downstream.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    n: int | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_string_to_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str] | None) -> list[str] | None:
+        # An empty stop string would match at once and end every completion.
+        if v is not None and any(s == "" for s in v):
+            raise ValueError("each stop sequence must be a non-empty string")
+        return v
+
+
+# ---------------------------------------------------------------------------
+# Parsed result (plain dataclasses, what the rest of the pipeline uses)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePlaceholder:
+    index: int  # into ParsedChat.images
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    parts: list[TextPart | ImagePlaceholder]
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    index: int
+    url: str | None  # data: or http(s) URL; None = upload-free (uuid only)
+    uuid: str | None
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ParsedChat:
+    messages: list[ChatMessage]
+    images: list[ImageInput]
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+    model: str | None
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------
+
+
+def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
+    """Validate a chat completions body; raise IrisError 400 on any problem."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise validation_error_to_iris(e) from None
+
+    if req.n is not None and req.n != 1:
+        raise bad_request(
+            f"n={req.n} is not supported: this server returns exactly one choice, so n must be 1",
+            param="n",
+        )
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+    messages: list[ChatMessage] = []
+    images: list[ImageInput] = []
+    first_over_limit: str | None = None  # param of the first image past max_images
+    for mi, msg in enumerate(req.messages):
+        where = f"messages[{mi}]"
+        role = "system" if msg.role == "developer" else msg.role
+        if not msg.content or (len(msg.content) == 1 and msg.content[0].text == ""):
+            raise bad_request(f"{where}.content must not be empty", param=f"{where}.content")
+        parts: list[TextPart | ImagePlaceholder] = []
+        for pi, part in enumerate(msg.content):
+            p = f"{where}.content[{pi}]"
+            parsed = _parse_part(part, p, role)
+            if isinstance(parsed, ImageInput):
+                if len(images) == max_images and first_over_limit is None:
+                    first_over_limit = p
+                parsed = ImageInput(index=len(images), url=parsed.url, uuid=parsed.uuid)
+                images.append(parsed)
+                parts.append(ImagePlaceholder(parsed.index))
+            else:
+                parts.append(parsed)
+        messages.append(ChatMessage(role=role, parts=parts))
+
+    if len(images) > max_images:
+        raise bad_request(
+            f"At most {max_images} image(s) may be provided in one request, "
+            f"but this request has {len(images)} (the server's limit per prompt, "
+            f"as vLLM's --limit-mm-per-prompt)",
+            param=first_over_limit,
+            code="too_many_images",
+        )
+
+    # max_completion_tokens is OpenAI's current name; max_tokens is deprecated.
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=list(req.stop or []),
+    )
+    include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
+    return ParsedChat(
+        messages=messages,
+        images=images,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        model=req.model,
+    )
+
+
+def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | ImageInput:
+    if part.type == "text":
+        if part.text is None:
+            raise bad_request(f"{p} has type 'text' but no 'text' string", param=f"{p}.text")
+        return TextPart(part.text)
+    if part.type != "image_url":
+        raise bad_request(
+            f"unsupported content part type {part.type!r}: only 'text' and 'image_url' are supported",
+            param=f"{p}.type",
+        )
+    if role != "user":
+        raise bad_request(
+            f"images are only allowed in user messages, but {p} is in a {role!r} message",
+            param=p,
+        )
+    url = part.image_url.url if part.image_url is not None else None
+    if url is not None and url.strip() == "":
+        raise bad_request(f"{p}.image_url.url must not be empty", param=f"{p}.image_url.url")
+    uuid = part.uuid
+    if uuid is not None:
+        if uuid.strip() == "":
+            raise bad_request(f"{p}.uuid must be a non-empty string", param=f"{p}.uuid")
+        if len(uuid) > MAX_UUID_CHARS:
+            raise bad_request(
+                f"{p}.uuid is {len(uuid)} characters long; at most {MAX_UUID_CHARS} are allowed",
+                param=f"{p}.uuid",
+            )
+    if url is None and uuid is None:
+        raise bad_request(
+            f"{p} needs image_url.url, or a uuid that refers to an image sent earlier",
+            param=f"{p}.image_url",
+        )
+    return ImageInput(index=-1, url=url, uuid=uuid)  # index assigned by the caller
+
+
+# ---------------------------------------------------------------------------
+# pydantic ValidationError -> IrisError
+# ---------------------------------------------------------------------------
+
+_JSON_TYPE_NAMES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
+
+
+def format_loc(loc: tuple[str | int, ...]) -> str:
+    """('messages', 1, 'content', 0, 'image_url') -> 'messages[1].content[0].image_url'."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        else:
+            out += f".{item}" if out else str(item)
+    return out
+
+
+def validation_error_to_iris(exc: ValidationError) -> IrisError:
+    """Turn pydantic's first error into a 400 that names the field and problem.
+
+    The offending value is never echoed back: it may be a multi-megabyte
+    data URL.
+    """
+    errors = exc.errors(include_url=False, include_input=True)
+    first = errors[0]
+    param = format_loc(tuple(first["loc"])) or None
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    value = first.get("input")
+    if first["type"] == "missing":
+        msg = "this field is required"
+    elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        # pydantic would name our internal class; clients know JSON objects.
+        msg = f"Input should be an object (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
+    elif first["type"] == "literal_error" and isinstance(value, str) and len(value) <= 64:
+        msg = f"{msg} (got {value!r})"
+    elif first["type"].endswith("_type") or first["type"] == "literal_error":
+        msg = f"{msg} (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return bad_request(message, param=param)

@@ -1,0 +1,375 @@
+"""parse_chat_request: the valid shapes we serve, and every 400 path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pipeline.chat_request import (
+    ChatMessage,
+    ImageInput,
+    ImagePlaceholder,
+    SamplingOptions,
+    TextPart,
+    parse_chat_request,
+)
+from pipeline.errors import IrisError, bad_request
+
+IMG_A = "data:image/png;base64,iVBORw0KGgo="
+IMG_B = "https://example.invalid/b.jpg"  # never fetched: parsing only
+
+
+def user(*parts):
+    return {"role": "user", "content": list(parts)}
+
+
+def text(t):
+    return {"type": "text", "text": t}
+
+
+def image(url=None, uuid=None, detail=None):
+    part = {"type": "image_url"}
+    if url is not None or detail is not None:
+        part["image_url"] = {"url": url}
+        if detail is not None:
+            part["image_url"]["detail"] = detail
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def body(messages=None, **kw):
+    b = {"model": "tiny-llava", "messages": messages or [user(text("hi"))]}
+    b.update(kw)
+    return b
+
+
+def fail(b, max_images=4) -> IrisError:
+    with pytest.raises(IrisError) as ei:
+        parse_chat_request(b, max_images=max_images)
+    err = ei.value
+    assert err.status_code == 400
+    assert err.to_dict()["error"]["type"] == "invalid_request_error"
+    return err
+
+
+# --------------------------------------------------------------------------- valid
+
+
+def test_full_multi_image_multi_message_request():
+    b = {
+        "model": "tiny-llava",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            user(text("Compare"), image(IMG_A, detail="low"), text("with"), image(IMG_B, uuid="img-b")),
+            {"role": "assistant", "content": [text("They differ.")]},
+            user(image(uuid="img-b"), text("and this one again?")),  # upload-free
+        ],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 64,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "n": 1,
+        "user": "alice",
+        "logprobs": False,  # unknown to us: ignored
+        "frequency_penalty": 0.5,
+    }
+    p = parse_chat_request(b, max_images=3)
+    assert p.model == "tiny-llava"
+    assert p.stream is True and p.include_usage is True
+    assert p.sampling == SamplingOptions(max_tokens=64, temperature=0.2, top_p=0.9, seed=7, stop=["\n\n", "END"])
+    assert p.images == [
+        ImageInput(index=0, url=IMG_A, uuid=None),
+        ImageInput(index=1, url=IMG_B, uuid="img-b"),
+        ImageInput(index=2, url=None, uuid="img-b"),
+    ]
+    assert p.messages == [
+        ChatMessage("system", [TextPart("You are terse.")]),
+        ChatMessage("user", [TextPart("Compare"), ImagePlaceholder(0), TextPart("with"), ImagePlaceholder(1)]),
+        ChatMessage("assistant", [TextPart("They differ.")]),
+        ChatMessage("user", [ImagePlaceholder(2), TextPart("and this one again?")]),
+    ]
+
+
+def test_defaults():
+    p = parse_chat_request({"messages": [{"role": "user", "content": "hello"}]}, max_images=0)
+    assert p.model is None
+    assert p.stream is False and p.include_usage is False
+    assert p.sampling == SamplingOptions(max_tokens=None, temperature=1.0, top_p=1.0, seed=None, stop=[])
+    assert p.images == []
+    assert p.messages == [ChatMessage("user", [TextPart("hello")])]
+
+
+def test_stop_string_nulls_and_developer_role():
+    p = parse_chat_request(
+        body(
+            [{"role": "developer", "content": "rules"}, user(text("x"))],
+            stop="###",
+            temperature=None,
+            top_p=None,
+            stream=None,
+            max_tokens=5,
+            temperature_extra=3,
+        ),
+        max_images=1,
+    )
+    assert p.sampling.stop == ["###"]
+    assert p.sampling.temperature == 1.0 and p.sampling.top_p == 1.0
+    assert p.sampling.max_tokens == 5
+    assert p.messages[0].role == "system"
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    p = parse_chat_request(body(max_tokens=10, max_completion_tokens=20), max_images=1)
+    assert p.sampling.max_tokens == 20
+
+
+def test_temperature_bounds_inclusive_and_int_accepted():
+    assert parse_chat_request(body(temperature=0), max_images=1).sampling.temperature == 0.0
+    assert parse_chat_request(body(temperature=2), max_images=1).sampling.temperature == 2.0
+    assert parse_chat_request(body(top_p=1), max_images=1).sampling.top_p == 1.0
+
+
+def test_include_usage_false_when_not_requested():
+    p = parse_chat_request(body(stream=True, stream_options={"include_usage": False}), max_images=1)
+    assert p.stream is True and p.include_usage is False
+
+
+def test_body_not_mutated():
+    b = body([user(text("a"), image(IMG_A))])
+    before = copy.deepcopy(b)
+    parse_chat_request(b, max_images=1)
+    assert b == before
+
+
+# --------------------------------------------------------------------------- errors: structure
+
+
+def test_body_not_object():
+    err = fail(["not", "a", "dict"])
+    assert "JSON object" in err.message
+
+
+def test_missing_messages():
+    err = fail({"model": "m"})
+    assert err.param == "messages"
+    assert "required" in err.message
+
+
+def test_no_messages():
+    err = fail({"messages": []})
+    assert err.param == "messages"
+    assert "at least one message" in err.message
+
+
+def test_unknown_role():
+    err = fail(body([{"role": "tool", "content": "x"}]))
+    assert err.param == "messages[0].role"
+    assert "'tool'" in err.message and "user" in err.message
+
+
+@pytest.mark.parametrize("content", ["", [], None, [{"type": "text", "text": ""}]])
+def test_empty_content(content):
+    msgs = [user(text("ok")), {"role": "user", "content": content}]
+    err = fail(body(msgs))
+    assert err.param == "messages[1].content"
+    assert "empty" in err.message
+
+
+def test_content_missing():
+    err = fail(body([{"role": "assistant"}]))
+    assert err.param == "messages[0].content"
+
+
+def test_content_wrong_type():
+    err = fail(body([{"role": "user", "content": 42}]))
+    assert err.param == "messages[0].content"
+    assert "string or a list" in err.message
+
+
+def test_unsupported_part_type():
+    err = fail(body([user(text("hi"), {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}})]))
+    assert err.param == "messages[0].content[1].type"
+    assert "input_audio" in err.message
+    assert "only 'text' and 'image_url'" in err.message
+
+
+def test_text_part_without_text():
+    err = fail(body([user({"type": "text"})]))
+    assert err.param == "messages[0].content[0].text"
+
+
+def test_part_text_wrong_type():
+    err = fail(body([user({"type": "text", "text": 5})]))
+    assert err.param == "messages[0].content[0].text"
+    assert "valid string" in err.message and "integer" in err.message
+
+
+# --------------------------------------------------------------------------- errors: images
+
+
+def test_image_part_without_url_or_uuid():
+    err = fail(body([user(text("x")), user(text("y"), image())]))
+    assert err.param == "messages[1].content[1].image_url"
+    assert "uuid" in err.message and "url" in err.message
+
+
+def test_image_url_null_url_without_uuid():
+    err = fail(body([user({"type": "image_url", "image_url": {"url": None}})]))
+    assert err.param == "messages[0].content[0].image_url"
+
+
+def test_image_url_empty_string():
+    err = fail(body([user(image(""))]))
+    assert err.param == "messages[0].content[0].image_url.url"
+
+
+def test_image_url_as_bare_string_rejected():
+    err = fail(body([user({"type": "image_url", "image_url": IMG_B})]))
+    assert err.param == "messages[0].content[0].image_url"
+    assert "should be an object (got string)" in err.message
+
+
+def test_bad_detail():
+    err = fail(body([user(image(IMG_A, detail="ultra"))]))
+    assert err.param == "messages[0].content[0].image_url.detail"
+
+
+@pytest.mark.parametrize("uuid", ["", "   "])
+def test_uuid_empty(uuid):
+    err = fail(body([user(image(uuid=uuid))]))
+    assert err.param == "messages[0].content[0].uuid"
+    assert "non-empty" in err.message
+
+
+def test_uuid_not_string():
+    err = fail(body([user(image(uuid=123))]))
+    assert err.param == "messages[0].content[0].uuid"
+
+
+def test_uuid_too_long():
+    err = fail(body([user(image(uuid="u" * 513))]))
+    assert err.param == "messages[0].content[0].uuid"
+    assert "512" in err.message
+    # exactly at the limit is fine
+    p = parse_chat_request(body([user(image(uuid="u" * 512))]), max_images=1)
+    assert p.images[0].uuid == "u" * 512
+
+
+def test_too_many_images():
+    msgs = [user(image(IMG_A), image(IMG_A)), user(text("and"), image(uuid="x"))]
+    err = fail(body(msgs), max_images=2)
+    assert err.code == "too_many_images"
+    assert "2" in err.message and "3" in err.message
+    assert "limit-mm-per-prompt" in err.message
+    assert err.param == "messages[1].content[1]"  # the first image past the limit
+    # at the limit it passes
+    assert len(parse_chat_request(body(msgs), max_images=3).images) == 3
+
+
+def test_images_not_allowed_when_limit_zero():
+    err = fail(body([user(image(IMG_A))]), max_images=0)
+    assert err.code == "too_many_images"
+
+
+@pytest.mark.parametrize("role", ["system", "assistant", "developer"])
+def test_images_only_in_user_messages(role):
+    err = fail(body([{"role": role, "content": [text("see"), image(IMG_A)]}, user(text("q"))]))
+    assert err.param == "messages[0].content[1]"
+    assert "only allowed in user messages" in err.message
+
+
+# --------------------------------------------------------------------------- errors: sampling and flags
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("temperature", 2.5, "less than or equal to 2"),
+        ("temperature", -0.1, "greater than or equal to 0"),
+        ("top_p", 0, "greater than 0"),
+        ("top_p", 1.01, "less than or equal to 1"),
+        ("max_tokens", 0, "greater than or equal to 1"),
+        ("max_completion_tokens", -3, "greater than or equal to 1"),
+        ("max_tokens", "5", "valid integer"),
+        ("max_tokens", 5.5, "valid integer"),
+        ("temperature", "hot", "valid number"),
+        ("stream", "true", "valid boolean"),
+        ("seed", 2**64, "less than or equal to"),
+        ("seed", "7", "valid integer"),
+        ("model", 3, "valid string"),
+        ("user", {"id": 1}, "valid string"),
+    ],
+)
+def test_sampling_and_type_errors(field, value, needle):
+    err = fail(body(**{field: value}))
+    assert err.param == field
+    assert err.message.startswith(f"{field}: ")
+    assert needle in err.message
+
+
+def test_too_many_stop_strings():
+    err = fail(body(stop=["a", "b", "c", "d", "e"]))
+    assert err.param == "stop"
+    assert "at most 4" in err.message
+    assert parse_chat_request(body(stop=["a", "b", "c", "d"]), max_images=1).sampling.stop == ["a", "b", "c", "d"]
+
+
+def test_stop_wrong_types():
+    assert fail(body(stop=[1])).param == "stop[0]"
+    assert "non-empty" in fail(body(stop=["a", ""])).message
+    assert fail(body(stop=7)).param == "stop"
+
+
+@pytest.mark.parametrize("n", [0, 2, 5])
+def test_n_other_than_one(n):
+    err = fail(body(n=n))
+    assert err.param == "n"
+    assert f"n={n}" in err.message and "must be 1" in err.message
+
+
+def test_stream_options_without_stream():
+    err = fail(body(stream_options={"include_usage": True}))
+    assert err.param == "stream_options"
+
+
+def test_stream_options_bad_type():
+    err = fail(body(stream=True, stream_options={"include_usage": "yes"}))
+    assert err.param == "stream_options.include_usage"
+
+
+def test_validation_error_does_not_echo_large_input():
+    huge = "x" * 100_000
+    err = fail(body([{"role": "user", "content": [{"type": "text", "text": ["not", huge]}]}]))
+    assert len(err.message) < 500
+    assert err.param == "messages[0].content[0].text"
+
+
+def test_multiple_validation_errors_counted():
+    err = fail(body(temperature="a", top_p="b"))
+    assert "more error" in err.message
+
+
+# --------------------------------------------------------------------------- errors module
+
+
+def test_error_to_dict_shape_and_extra():
+    e = IrisError("features evicted", status_code=409, code="mm_cache_miss", extra={"missing": [0, 2]})
+    assert e.to_dict() == {
+        "error": {
+            "message": "features evicted",
+            "type": "conflict_error",
+            "param": None,
+            "code": "mm_cache_miss",
+            "missing": [0, 2],
+        }
+    }
+    assert str(e) == "features evicted"
+    b = bad_request("nope", param="x", code="c")
+    assert (b.status_code, b.type, b.param, b.code) == (400, "invalid_request_error", "x", "c")
+    with pytest.raises(ValueError):
+        IrisError("x", extra={"message": "override"})
