@@ -1,0 +1,278 @@
+"""Fetch image bytes from a data: or http(s) URL and decode them, with limits.
+
+Two steps kept apart on purpose: the raw bytes are what the cache key hashes
+(design §1, layer 1), so they are needed before, and often instead of, decoding.
+
+Every failure is an IrisError 400 with a code the client can act on:
+  invalid_image_url       scheme not supported (file://, ftp://, bare paths) or malformed data: URL
+  image_fetch_failed      http(s) error status, connection error, timeout, too many redirects
+  image_too_large         over max_image_bytes, or over max_image_pixels (decompression bomb)
+  unsupported_image_format  a real image, but in a format not allowed here
+  invalid_image           bad base64, not an image, truncated or corrupt
+
+No SSRF guard: http(s) URLs may point anywhere this process can reach. Servers
+exposed to untrusted clients should set allow_http=False or put an egress
+proxy/firewall in front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+from typing import Annotated
+
+import httpx
+from PIL import Image, ImageOps
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipeline.errors import IrisError, bad_request
+
+MiB = 1024 * 1024
+
+
+class MediaLimits(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_image_bytes: Annotated[int, Field(gt=0)] = 20 * MiB
+    # Decompression-bomb guard: checked from the header, before pixels are allocated.
+    max_image_pixels: Annotated[int, Field(gt=0)] = 40_000_000
+    fetch_timeout_s: Annotated[float, Field(gt=0)] = 10.0  # whole fetch, redirects included
+    allowed_formats: frozenset[str] = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP"})
+    allow_http: bool = True
+    max_redirects: Annotated[int, Field(ge=0, le=20)] = 3
+
+    @field_validator("allowed_formats", mode="after")
+    @classmethod
+    def _upper(cls, v: frozenset[str]) -> frozenset[str]:
+        return frozenset(f.upper() for f in v)
+
+
+def _short(url: str, n: int = 100) -> str:
+    # URLs go into error messages; a data: URL can be megabytes long.
+    return url if len(url) <= n else url[:n] + "..."
+
+
+# ---------------------------------------------------------------------------
+# Bytes
+# ---------------------------------------------------------------------------
+
+
+async def load_image_bytes(
+    url: str,
+    limits: MediaLimits,
+    client: httpx.AsyncClient | None = None,
+    *,
+    param: str | None = None,
+) -> bytes:
+    """Return the raw bytes behind a data: or http(s) URL.
+
+    `param` names the request field the URL came from, for error messages.
+    """
+    if not isinstance(url, str) or not url:
+        raise bad_request("image URL must be a non-empty string", param, "invalid_image_url")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return _load_data_url(url, limits, param)
+    if scheme in ("http", "https"):
+        if not limits.allow_http:
+            raise bad_request(
+                "fetching images over http(s) is disabled on this server; "
+                "send the image inline as a base64 data: URL",
+                param,
+                "invalid_image_url",
+            )
+        return await _fetch_http(url, limits, client, param)
+    raise bad_request(
+        f"unsupported image URL {_short(url)!r}: only data: (base64) and http(s) URLs are accepted",
+        param,
+        "invalid_image_url",
+    )
+
+
+def _load_data_url(url: str, limits: MediaLimits, param: str | None) -> bytes:
+    # data:[<media type>][;<param>...];base64,<payload>
+    header, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise bad_request("malformed data: URL: no ',' before the payload", param, "invalid_image_url")
+    fields = [f.strip() for f in header.split(";")]
+    media_type, options = fields[0].lower(), [f.lower() for f in fields[1:]]
+    if "base64" not in options:
+        raise bad_request(
+            "only base64 data: URLs are supported (data:image/<type>;base64,...)",
+            param,
+            "invalid_image_url",
+        )
+    if media_type and not (media_type.startswith("image/") or media_type == "application/octet-stream"):
+        raise bad_request(
+            f"data: URL has media type {media_type!r}; expected image/*", param, "invalid_image_url"
+        )
+    # Reject by the encoded length before spending memory on decoding.
+    if len(payload) // 4 * 3 > limits.max_image_bytes + 2:
+        raise _too_large_bytes(f"more than {limits.max_image_bytes}", limits, param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise bad_request(f"data: URL payload is not valid base64: {e}", param, "invalid_image") from None
+    if not data:
+        raise bad_request("data: URL payload is empty", param, "invalid_image")
+    if len(data) > limits.max_image_bytes:
+        raise _too_large_bytes(str(len(data)), limits, param)
+    return data
+
+
+def _too_large_bytes(size: str, limits: MediaLimits, param: str | None) -> IrisError:
+    return bad_request(
+        f"image is {size} bytes; the limit is {limits.max_image_bytes} bytes",
+        param,
+        "image_too_large",
+    )
+
+
+def _fetch_failed(url: str, reason: str, param: str | None) -> IrisError:
+    return bad_request(f"could not fetch image {_short(url)!r}: {reason}", param, "image_fetch_failed")
+
+
+async def _fetch_http(
+    url: str, limits: MediaLimits, client: httpx.AsyncClient | None, param: str | None
+) -> bytes:
+    own_client = client is None
+    if own_client:
+        client = httpx.AsyncClient(timeout=limits.fetch_timeout_s)
+    try:
+        # One deadline for the whole fetch: httpx timeouts are per operation,
+        # so a server trickling bytes could otherwise hold us forever.
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            return await _fetch_following_redirects(client, url, limits, param)
+    except TimeoutError:
+        raise _fetch_failed(url, f"timed out after {limits.fetch_timeout_s:g} s", param) from None
+    except httpx.TimeoutException:
+        raise _fetch_failed(url, "timed out", param) from None
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise _fetch_failed(url, f"{type(e).__name__}: {e}", param) from None
+    finally:
+        if own_client:
+            await client.aclose()
+
+
+async def _fetch_following_redirects(
+    client: httpx.AsyncClient, url: str, limits: MediaLimits, param: str | None
+) -> bytes:
+    # Redirects by hand: the limit is ours rather than the (maybe shared)
+    # client's, and every hop must stay http(s).
+    current = url
+    for _ in range(limits.max_redirects + 1):
+        async with client.stream("GET", current, follow_redirects=False) as resp:
+            if resp.is_redirect:
+                target = resp.url.join(resp.headers["location"])
+                if target.scheme not in ("http", "https"):
+                    raise _fetch_failed(url, f"redirected to a non-http(s) URL {_short(str(target))!r}", param)
+                current = str(target)
+                continue
+            if not resp.is_success:
+                raise _fetch_failed(url, f"HTTP {resp.status_code} {resp.reason_phrase}".rstrip(), param)
+            # An honest Content-Length over the limit fails before any body is read.
+            declared = resp.headers.get("content-length")
+            if declared and declared.isdigit() and "content-encoding" not in resp.headers:
+                if int(declared) > limits.max_image_bytes:
+                    raise _too_large_bytes(declared, limits, param)
+            buf = bytearray()
+            # aiter_bytes yields decoded bytes, so a gzip bomb is counted as it inflates.
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                if len(buf) > limits.max_image_bytes:
+                    raise _too_large_bytes(f"more than {limits.max_image_bytes}", limits, param)
+            if not buf:
+                raise _fetch_failed(url, "the response body is empty", param)
+            return bytes(buf)
+    raise _fetch_failed(url, f"more than {limits.max_redirects} redirects", param)
+
+
+# ---------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, limits: MediaLimits, *, param: str | None = None) -> Image.Image:
+    """Decode image bytes into a loaded RGB PIL image, enforcing the limits.
+
+    Order matters: the format and the pixel count come from the header, and are
+    checked before any pixel memory is allocated.
+    """
+    if not data:
+        raise bad_request("image data is empty", param, "invalid_image")
+    if len(data) > limits.max_image_bytes:
+        raise _too_large_bytes(str(len(data)), limits, param)
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        # Pillow's own guard (MAX_IMAGE_PIXELS) fires inside open() for huge headers.
+        raise bad_request(f"image is too large: {e}", param, "image_too_large") from None
+    except Image.UnidentifiedImageError:
+        raise bad_request("data is not a recognised image", param, "invalid_image") from None
+    except Exception as e:  # any parser failure on untrusted bytes is the client's problem
+        raise bad_request(f"could not read image: {e}", param, "invalid_image") from None
+
+    fmt = img.format or "unknown"
+    if fmt.upper() not in limits.allowed_formats:
+        raise bad_request(
+            f"image format {fmt} is not supported; allowed formats: {', '.join(sorted(limits.allowed_formats))}",
+            param,
+            "unsupported_image_format",
+        )
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise bad_request(f"image has invalid size {w}x{h}", param, "invalid_image")
+    if w * h > limits.max_image_pixels:
+        raise bad_request(
+            f"image is {w}x{h} = {w * h} pixels; the limit is {limits.max_image_pixels} pixels",
+            param,
+            "image_too_large",
+        )
+    try:
+        img.load()  # first frame only for animated images
+        img = _exif_transpose(img)
+        return to_rgb(img)
+    except Image.DecompressionBombError as e:
+        raise bad_request(f"image is too large: {e}", param, "image_too_large") from None
+    except Exception as e:  # truncated files (OSError), corrupt streams, decoder errors
+        raise bad_request(f"could not decode {fmt} image: {e}", param, "invalid_image") from None
+
+
+def _exif_transpose(img: Image.Image) -> Image.Image:
+    # Phone photos store rotation in EXIF; vLLM applies it too (normalize_image),
+    # so both pixel paths see the same orientation. A broken EXIF block is ignored.
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:
+        return img
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Any Pillow mode -> RGB. Transparency is composited onto `background`
+    (white, as vLLM's default), not dropped, so transparent pixels do not turn
+    into whatever colour happens to sit under the alpha."""
+    mode = img.mode
+    # "transparency" in info: a tRNS colour key in P, L or even RGB PNGs.
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        out = Image.new("RGB", rgba.size, background)
+        out.paste(rgba, mask=rgba.getchannel("A"))
+        return out
+    if mode.startswith("I;16") or mode == "I":
+        # Pillow clips 16/32-bit samples to 255 (a white image); scale instead.
+        i32 = img if mode == "I" else img.convert("I")
+        _, hi = i32.getextrema()
+        if mode != "I" or hi > 255:
+            scale = 255.0 / (65535 if hi <= 65535 else hi)
+            i32 = i32.point(lambda v: v * scale)
+        return i32.convert("L").convert("RGB")
+    if mode == "RGB":
+        return img
+    if mode == "F":
+        lo, hi = img.getextrema()
+        if hi > lo:
+            img = img.point(lambda v: (v - lo) * (255.0 / (hi - lo)))
+        return img.convert("L").convert("RGB")
+    return img.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
