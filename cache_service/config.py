@@ -1,0 +1,78 @@
+"""CacheConfig: every knob of the feature cache, validated once at start-up."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cache_service.keys import DEFAULT_NAMESPACE
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class CacheConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    redis_url: str | None = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis for the cluster-wide tier (redis://, rediss:// or unix://). "
+        "None runs the cache on the in-process tier only.",
+    )
+    namespace: str = Field(
+        DEFAULT_NAMESPACE,
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+        description="Key prefix; must equal the namespace the keys were built with.",
+    )
+    l1_max_bytes: int = Field(
+        1 * GiB, ge=0, description="Bytes of features kept in process memory; 0 disables L1."
+    )
+    ttl_s: float = Field(
+        86400.0, gt=0, description="Time to live of every entry written to Redis, in seconds."
+    )
+    max_value_bytes: int = Field(
+        64 * MiB,
+        gt=0,
+        description="Encoded values larger than this are not written to Redis (counted as oversize); "
+        "they stay in L1.",
+    )
+    redis_connect_timeout_s: float = Field(
+        0.25, gt=0, description="Timeout of a TCP connect to Redis before the cache goes degraded."
+    )
+    redis_timeout_s: float = Field(
+        0.25,
+        gt=0,
+        description="Timeout of each Redis reply before the cache goes degraded. Must exceed "
+        "the transfer time of one max_value_bytes value (64 MiB ≈ 50 ms on loopback).",
+    )
+    redis_pool_size: int = Field(
+        16, ge=1, le=1024, description="Connections to Redis per FeatureCache (concurrent commands)."
+    )
+    lock_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="Expiry of the single-flight lock of a replica computing a key; should exceed "
+        "the longest compute, else another replica starts computing the same key.",
+    )
+    single_flight_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long a caller waits for another replica's computation before computing "
+        "itself (counted as a wait timeout).",
+    )
+    single_flight_poll_s: float = Field(
+        0.02, gt=0, description="Interval at which a waiting caller checks Redis for the result."
+    )
+    backoff_initial_s: float = Field(
+        0.5, gt=0, description="First delay before reconnecting to an unreachable Redis."
+    )
+    backoff_max_s: float = Field(
+        30.0, gt=0, description="Upper bound of the reconnect delay, which doubles per failure."
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "CacheConfig":
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s must be >= backoff_initial_s")
+        if self.single_flight_poll_s > self.single_flight_wait_s:
+            raise ValueError("single_flight_poll_s must be <= single_flight_wait_s")
+        return self

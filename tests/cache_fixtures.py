@@ -1,0 +1,135 @@
+"""Fixtures and helpers shared by the tests/test_cache_*.py files.
+
+The shared Redis at 127.0.0.1:6379 is never flushed: each test gets its own
+namespace and deletes its own keys afterwards. Tests that kill Redis start
+their own `redis-server` on a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+import redis
+import torch
+
+from cache_service.codec import Features
+from cache_service.config import CacheConfig
+from cache_service.feature_cache import FeatureCache
+
+SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+FINGERPRINT = "0123abcd"
+
+
+def make_features(seed: int = 0, tokens: int = 16, hidden: int = 32, dtype=torch.bfloat16) -> Features:
+    g = torch.Generator().manual_seed(seed)
+    return Features(
+        {
+            "image_embeds": torch.randn(tokens, hidden, generator=g).to(dtype),
+            "image_grid_thw": torch.tensor([[1, 4, tokens // 4 * 4]], dtype=torch.int64),
+        },
+        {"num_tokens": tokens, "seed": seed},
+    )
+
+
+def assert_same_features(a: Features, b: Features) -> None:
+    assert a.meta == b.meta
+    assert a.tensors.keys() == b.tensors.keys()
+    for name, tensor in a.tensors.items():
+        other = b.tensors[name]
+        assert other.dtype == tensor.dtype, name
+        assert other.shape == tensor.shape, name
+        assert torch.equal(other, tensor), name
+
+
+@pytest.fixture
+def namespace():
+    """A namespace private to this test; its keys are deleted afterwards."""
+    ns = f"iristest-{uuid.uuid4().hex[:12]}"
+    yield ns
+    client = redis.Redis.from_url(SHARED_REDIS_URL)
+    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def raw_redis():
+    """A plain synchronous client of the shared Redis, to inspect or tamper with values."""
+    client = redis.Redis.from_url(SHARED_REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def make_cache(namespace):
+    """Factory of FeatureCaches in this test's namespace; all closed at teardown."""
+    caches: list[FeatureCache] = []
+
+    def make(**overrides) -> FeatureCache:
+        settings = {"redis_url": SHARED_REDIS_URL, "namespace": namespace, "l1_max_bytes": 64 << 20}
+        settings.update(overrides)
+        cache = FeatureCache(CacheConfig(**settings))
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        await cache.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisProcess:
+    """A private redis-server that a test can kill, stop and start again on the same port."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=0.2).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_process():
+    if shutil.which("redis-server") is None and not os.path.exists("/usr/bin/redis-server"):
+        pytest.skip("redis-server binary not available")
+    server = RedisProcess(free_port())
+    server.start()
+    yield server
+    if server.proc is not None:
+        server.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+    server.kill()
