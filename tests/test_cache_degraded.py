@@ -1,0 +1,91 @@
+"""Degraded mode: a dead or frozen Redis never fails a cache call; the cache recovers."""
+
+import asyncio
+import logging
+import signal
+import time
+
+from cache_fixtures import (  # noqa: F401  (fixtures)
+    FINGERPRINT,
+    assert_same_features,
+    free_port,
+    make_cache,
+    make_features,
+    namespace,
+    redis_process,
+)
+
+from cache_service.keys import content_key
+
+FAST_BACKOFF = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "redis_timeout_s": 0.25}
+
+
+async def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_redis_killed_then_restarted(make_cache, namespace, redis_process, caplog):
+    keys = [content_key(FINGERPRINT, bytes([i]), namespace) for i in range(3)]
+    cache = make_cache(redis_url=redis_process.url, **FAST_BACKOFF)
+    assert await cache.put_many([(keys[0], make_features(0))]) == [True]
+
+    redis_process.kill()
+    caplog.set_level(logging.WARNING, logger="cache_service")
+    started = time.monotonic()
+    # No call raises; L1 still serves what it holds.
+    [hit, miss] = await cache.get_many([keys[0], keys[1]])
+    assert hit is not None and hit.meta["seed"] == 0 and miss is None
+    assert not cache.redis_available
+    assert await cache.put_many([(keys[1], make_features(1))]) == [False]
+    assert await cache.contains_many([keys[1], keys[2]]) == [True, False]  # L1 only
+    results = await cache.get_or_compute_many([keys[2]], lambda idx: _compute(idx, 2))
+    assert results[0].computed and not results[0].shared
+    assert time.monotonic() - started < 1.0  # failing fast, not waiting on the dead server
+    stats = cache.stats()
+    assert stats["degraded_transitions"] == 1 and stats["degraded"] == 1
+    assert stats["l2_skipped"] >= 1
+    warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warnings) == 1  # logged once, not per call
+
+    redis_process.start()  # same port
+    await wait_until(lambda: cache.redis_available)
+    assert await cache.put_many([(keys[2], make_features(2))]) == [True]
+    fresh = make_cache(redis_url=redis_process.url)
+    [got] = await fresh.get_many([keys[2]])
+    assert_same_features(make_features(2), got)
+    stats = cache.stats()
+    assert stats["reconnects"] == 1 and stats["degraded"] == 0 and stats["degraded_transitions"] == 1
+
+
+async def _compute(indexes, seed):
+    return [make_features(seed) for _ in indexes]
+
+
+async def test_frozen_redis_times_out_into_degraded_mode(make_cache, namespace, redis_process):
+    key = content_key(FINGERPRINT, b"frozen", namespace)
+    cache = make_cache(redis_url=redis_process.url, **FAST_BACKOFF)
+    assert await cache.put_many([(key, make_features(7))]) == [True]
+    cache_reader = make_cache(redis_url=redis_process.url, **FAST_BACKOFF)
+    redis_process.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        started = time.monotonic()
+        assert await cache_reader.get_many([key]) == [None]
+        assert time.monotonic() - started < 1.0
+        assert cache_reader.stats()["degraded_transitions"] == 1
+    finally:
+        redis_process.proc.send_signal(signal.SIGCONT)
+    await wait_until(lambda: cache_reader.redis_available)
+    [got] = await cache_reader.get_many([key])
+    assert got is not None and got.meta["seed"] == 7
+
+
+async def test_unreachable_from_the_start(make_cache, namespace):
+    cache = make_cache(redis_url=f"redis://127.0.0.1:{free_port()}/0", **FAST_BACKOFF)
+    key = content_key(FINGERPRINT, b"x", namespace)
+    assert await cache.get_many([key]) == [None]
+    assert await cache.put_many([(key, make_features())]) == [False]
+    assert (await cache.get_many([key]))[0] is not None
+    assert cache.stats()["degraded"] == 1

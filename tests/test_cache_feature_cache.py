@@ -1,0 +1,197 @@
+"""FeatureCache against the real Redis at 127.0.0.1:6379: tiers, isolation, TTL, corruption."""
+
+import pytest
+import torch
+from cache_fixtures import (  # noqa: F401  (fixtures)
+    FINGERPRINT,
+    assert_same_features,
+    make_cache,
+    make_features,
+    namespace,
+    raw_redis,
+)
+
+from cache_service.codec import Features, encode
+from cache_service.config import CacheConfig
+from cache_service.feature_cache import FeatureCache
+from cache_service.keys import content_key, uuid_key
+
+
+async def test_round_trip_through_redis(make_cache, namespace):
+    g = torch.Generator().manual_seed(3)
+    features = Features(
+        {
+            "bf16": torch.randn(24, 64, generator=g).to(torch.bfloat16),
+            "fp16": torch.randn(2, 24, 64, generator=g).to(torch.float16),
+            "fp32": torch.randn(24, 64, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 6]]),
+        },
+        {"num_tokens": 24, "family": "qwen2_vl"},
+    )
+    key = content_key(FINGERPRINT, b"image-1", namespace)
+    writer, reader = make_cache(), make_cache()
+    assert await writer.put_many([(key, features)]) == [True]
+
+    [got] = await reader.get_many([key])  # fresh instance: empty L1, so from Redis
+    assert_same_features(features, got)
+    stats = reader.stats()
+    assert (stats["l1_misses"], stats["l2_hits"], stats["l2_misses"]) == (1, 1, 0)
+    assert stats["l2_bytes_read"] == writer.stats()["l2_bytes_written"] > features.nbytes
+
+    [again] = await reader.get_many([key])  # promoted into L1
+    assert again is got
+    assert reader.stats()["l1_hits"] == 1 and reader.stats()["l2_hits"] == 1
+
+
+async def test_batched_get_keeps_order_and_counts(make_cache, namespace):
+    keys = [content_key(FINGERPRINT, bytes([i]), namespace) for i in range(5)]
+    cache = make_cache()
+    await cache.put_many([(keys[1], make_features(1)), (keys[3], make_features(3))])
+    reader = make_cache()
+    got = await reader.get_many(keys + [keys[1]])
+    assert [g is not None for g in got] == [False, True, False, True, False, True]
+    assert got[1].meta["seed"] == 1 and got[3].meta["seed"] == 3
+    stats = reader.stats()
+    assert stats["l2_hits"] == 2 and stats["l2_misses"] == 3  # duplicate key read once
+    assert await reader.contains_many(keys) == [False, True, False, True, False]
+
+
+async def test_contains_many_does_not_transfer_values(make_cache, namespace):
+    key = content_key(FINGERPRINT, b"c", namespace)
+    await make_cache().put_many([(key, make_features())])
+    reader = make_cache()
+    assert await reader.contains_many([key, key + "x"]) == [True, False]
+    assert reader.stats()["l2_bytes_read"] == 0
+    assert reader.stats()["l1_entries"] == 0
+
+
+async def test_model_fingerprint_isolates_features(make_cache, namespace):
+    data = b"the same uploaded image"
+    cache = make_cache()
+    await cache.put_many([(content_key("aaaa", data, namespace), make_features(1))])
+    other = make_cache()
+    assert await other.get_many([content_key("bbbb", data, namespace)]) == [None]
+    [hit] = await other.get_many([content_key("aaaa", data, namespace)])
+    assert hit.meta["seed"] == 1
+
+
+async def test_uuid_keys_isolated_by_tenant_content_keys_shared(make_cache, namespace):
+    cache = make_cache()
+    await cache.put_many(
+        [
+            (uuid_key(FINGERPRINT, "tenant-a", "img-1", namespace), make_features(1)),
+            (content_key(FINGERPRINT, b"public", namespace), make_features(2)),
+            # ':' in tenant or uuid must not let these two meet.
+            (uuid_key(FINGERPRINT, "a:b", "c", namespace), make_features(3)),
+        ]
+    )
+    other = make_cache()
+    got = await other.get_many(
+        [
+            uuid_key(FINGERPRINT, "tenant-b", "img-1", namespace),
+            uuid_key(FINGERPRINT, None, "img-1", namespace),
+            uuid_key(FINGERPRINT, "tenant-a", "img-1", namespace),
+            content_key(FINGERPRINT, b"public", namespace),
+            uuid_key(FINGERPRINT, "a", "b:c", namespace),
+            uuid_key(FINGERPRINT, "a:b", "c", namespace),
+        ]
+    )
+    assert [None if g is None else g.meta["seed"] for g in got] == [None, None, 1, 2, None, 3]
+
+
+async def test_entries_get_the_configured_ttl(make_cache, namespace, raw_redis):
+    key = content_key(FINGERPRINT, b"ttl", namespace)
+    cache = make_cache(ttl_s=120)
+    await cache.put_many([(key, make_features())])
+    pttl = raw_redis.pttl(key)
+    assert 115_000 < pttl <= 120_000
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped"])
+async def test_corrupt_value_is_a_miss_deleted_and_counted(make_cache, namespace, raw_redis, damage):
+    key = content_key(FINGERPRINT, b"corrupt", namespace)
+    value = bytes(encode(make_features(tokens=64)))
+    tampered = {
+        "garbage": b"\x00garbage" * 10,
+        "truncated": value[: len(value) - 7],
+        "flipped": value[:-5] + bytes([value[-5] ^ 0xFF]) + value[-4:],
+    }[damage]
+    raw_redis.set(key, tampered)
+    cache = make_cache()
+    assert await cache.get_many([key]) == [None]
+    assert raw_redis.exists(key) == 0
+    stats = cache.stats()
+    assert stats["corrupt"] == 1 and stats["l2_misses"] == 1 and stats["l2_hits"] == 0
+    assert stats["l1_entries"] == 0
+
+
+async def test_oversize_value_stays_out_of_redis(make_cache, namespace, raw_redis):
+    small_key = content_key(FINGERPRINT, b"small", namespace)
+    big_key = content_key(FINGERPRINT, b"big", namespace)
+    cache = make_cache(max_value_bytes=4096)
+    stored = await cache.put_many([(small_key, make_features(tokens=8)), (big_key, make_features(tokens=256))])
+    assert stored == [True, False]
+    assert raw_redis.exists(big_key) == 0 and raw_redis.exists(small_key) == 1
+    assert cache.stats()["oversize"] == 1
+    [hit] = await cache.get_many([big_key])  # still served from L1
+    assert hit is not None and cache.stats()["l1_hits"] == 1
+
+
+async def test_l1_byte_bound_and_lru_order(namespace):
+    one = make_features(tokens=16, hidden=32).nbytes
+    cache = FeatureCache(CacheConfig(redis_url=None, namespace=namespace, l1_max_bytes=3 * one))
+    keys = [f"{namespace}:k{i}" for i in range(5)]
+    await cache.put_many([(keys[i], make_features(i)) for i in range(3)])
+    await cache.get_many([keys[0]])  # k0 is now the most recently used
+    await cache.put_many([(keys[3], make_features(3))])  # evicts k1, the least recently used
+    assert [g is not None for g in await cache.get_many(keys[:4])] == [True, False, True, True]
+    stats = cache.stats()
+    assert stats["l1_evictions"] == 1 and stats["l1_bytes"] == 3 * one and stats["l1_entries"] == 3
+    # An entry larger than the whole tier is not stored and evicts nothing.
+    await cache.put_many([(keys[4], make_features(4, tokens=64))])
+    assert await cache.get_many([keys[4]]) == [None]
+    assert cache.stats()["l1_evictions"] == 1
+    assert not cache.redis_available
+    await cache.close()
+
+
+async def test_compute_results_say_where_features_came_from(make_cache, namespace):
+    keys = [content_key(FINGERPRINT, bytes([i]), namespace) for i in range(3)]
+    cache = make_cache()
+    await cache.put_many([(keys[0], make_features(0))])
+    calls = []
+
+    async def compute(indexes):
+        calls.append(list(indexes))
+        return [make_features(100 + i) for i in indexes]
+
+    results = await cache.get_or_compute_many(keys + [keys[2]], compute)
+    assert calls == [[1, 2]]  # the duplicate key is computed once
+    assert [(r.computed, r.shared) for r in results] == [(False, True), (True, True), (True, True), (True, True)]
+    assert [r.features.meta["seed"] for r in results] == [0, 101, 102, 102]
+    assert cache.stats()["computations"] == 2 and cache.stats()["compute_calls"] == 1
+
+    # Another replica finds them in Redis and computes nothing.
+    other = make_cache()
+    results = await other.get_or_compute_many(keys, compute)
+    assert calls == [[1, 2]]
+    assert all(not r.computed and r.shared for r in results)
+
+
+async def test_compute_errors_reach_the_caller_and_leave_no_lock(make_cache, namespace, raw_redis):
+    key = content_key(FINGERPRINT, b"bad image", namespace)
+    cache = make_cache()
+
+    async def broken(indexes):
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError, match="encoder failed"):
+        await cache.get_or_compute_many([key], broken)
+    await cache.close()  # waits for the background lock release
+    assert raw_redis.exists(key + ":lock") == 0
+
+    async def wrong_count(indexes):
+        return []
+
+    with pytest.raises(ValueError):
+        await make_cache().get_or_compute_many([key], wrong_count)
