@@ -1,0 +1,97 @@
+"""The one interface behind which model families differ.
+
+The generic flow (preprocess -> encode -> cache -> vLLM) only talks to a
+`FamilyAdapter`; it never asks which model it serves. An adapter knows:
+- how its image processor turns a decoded image into pixel tensors,
+- how its vision tower + projector turn a batch of those into per-image features,
+- how to pack cached features into vLLM's `multi_modal_data["image"]`,
+- the chat-template content part that stands for one image.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from cache_service.codec import Features
+from pipeline.models.weights import local_checkpoint
+
+
+@dataclass
+class PixelInputs:
+    """One preprocessed image: tensors for the vision tower plus what the encoder needs to know."""
+
+    tensors: dict[str, torch.Tensor]
+    num_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class FamilyAdapter(ABC):
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, checkpoint: str):
+        self.checkpoint = checkpoint
+        self.root = local_checkpoint(checkpoint)
+        self.config = json.loads((self.root / "config.json").read_text())
+        self._image_processor = None
+        self.vision: torch.nn.Module | None = None
+
+    # --- preprocessing (CPU) -------------------------------------------------
+    @property
+    def image_processor(self):
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(str(self.root))
+        return self._image_processor
+
+    @abstractmethod
+    def preprocess(self, image: Image.Image) -> PixelInputs:
+        """Resize/normalise one RGB image into the vision tower's input."""
+
+    # --- vision encoding (GPU in production) ----------------------------------
+    @abstractmethod
+    def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        """Load only the vision tower and projector weights."""
+
+    @abstractmethod
+    def encode(self, batch: list[PixelInputs]) -> list[Features]:
+        """Features for each image of the batch, in one forward pass."""
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        name = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
+        return getattr(torch, name)
+
+    def vision_state_fingerprint(self) -> bytes:
+        """Bytes identifying the loaded vision weights (hashed into the model fingerprint)."""
+        assert self.vision is not None, "load_vision() first"
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.vision.state_dict().items()):
+            h.update(name.encode())
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.digest()
+
+    def preprocessing_settings(self) -> bytes:
+        """The image-processor configuration as saved in the checkpoint."""
+        parts = []
+        for name in ("preprocessor_config.json", "processor_config.json"):
+            path = self.root / name
+            if path.is_file():
+                parts.append(path.read_bytes())
+        return b"\n".join(parts)
+
+    # --- decode (vLLM) --------------------------------------------------------
+    @abstractmethod
+    def vllm_image_data(self, features: list[Features]) -> Any:
+        """`multi_modal_data["image"]` for these features, in prompt order."""
+
+    image_content_part: dict = {"type": "image"}

@@ -1,0 +1,68 @@
+"""LLaVA-1.5: CLIP vision tower, features from layer -2 without CLS, MLP projector."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from cache_service.codec import Features
+from pipeline.families.base import FamilyAdapter, PixelInputs
+from pipeline.models.weights import load_prefixed
+
+
+class LlavaVision(torch.nn.Module):
+    def __init__(self, config: dict):
+        from transformers import CLIPVisionConfig, CLIPVisionModel, LlavaConfig
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        super().__init__()
+        llava_config = LlavaConfig(**config)
+        self.feature_layer = llava_config.vision_feature_layer
+        self.select_strategy = llava_config.vision_feature_select_strategy
+        vision_config = llava_config.vision_config
+        if not isinstance(vision_config, CLIPVisionConfig):
+            raise ValueError(f"LLaVA adapter supports CLIP vision towers, got {type(vision_config).__name__}")
+        self.vision_tower = CLIPVisionModel(vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(llava_config)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
+        if self.select_strategy == "default":
+            hidden = hidden[:, 1:]  # drop CLS
+        return self.multi_modal_projector(hidden)
+
+
+class LlavaAdapter(FamilyAdapter):
+    model_types = ("llava",)
+
+    def preprocess(self, image: Image.Image) -> PixelInputs:
+        pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        side_h, side_w = pixel_values.shape[-2:]
+        patch = self.config["vision_config"]["patch_size"]
+        num_tokens = (side_h // patch) * (side_w // patch)
+        if self.config.get("vision_feature_select_strategy", "default") == "full":
+            num_tokens += 1
+        return PixelInputs({"pixel_values": pixel_values[0]}, num_tokens)
+
+    def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        module = LlavaVision(self.config)
+        # Hub layout is `vision_tower.vision_model.*`; transformers 5's CLIPVisionModel has no `vision_model`.
+        state = load_prefixed(self.checkpoint, {
+            "model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+            "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+            "model.multi_modal_projector.": "multi_modal_projector.",
+            "multi_modal_projector.": "multi_modal_projector.",
+        })
+        module.load_state_dict(state, strict=True)
+        self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
+
+    @torch.inference_mode()
+    def encode(self, batch: list[PixelInputs]) -> list[Features]:
+        param = next(self.vision.parameters())
+        pixels = torch.stack([p.tensors["pixel_values"] for p in batch]).to(param.device, param.dtype)
+        out = self.vision(pixels)
+        return [Features({"image_embeds": f}, {"num_tokens": f.shape[0]}) for f in out]
+
+    def vllm_image_data(self, features: list[Features]):
+        # LLaVA-1.5 gives every image the same number of tokens: one [n, tokens, hidden] tensor.
+        return torch.stack([f.tensors["image_embeds"] for f in features])

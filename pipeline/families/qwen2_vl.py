@@ -1,0 +1,62 @@
+"""Qwen2-VL (and Qwen2.5-VL): dynamic-resolution ViT whose merger is the projector;
+vLLM takes the flat embeddings together with each image's (t, h, w) patch grid."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from cache_service.codec import Features
+from pipeline.families.base import FamilyAdapter, PixelInputs
+from pipeline.models.weights import load_prefixed
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+
+    @property
+    def merge_size(self) -> int:
+        return self.config["vision_config"].get("spatial_merge_size", 2)
+
+    def preprocess(self, image: Image.Image) -> PixelInputs:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        grid = out["image_grid_thw"]  # [1, 3]
+        num_tokens = int(grid.prod()) // (self.merge_size ** 2)
+        return PixelInputs({"pixel_values": out["pixel_values"], "image_grid_thw": grid}, num_tokens)
+
+    def _vision_module(self) -> torch.nn.Module:
+        if self.config["model_type"] == "qwen2_5_vl":
+            from transformers import Qwen2_5_VLConfig
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as Vision)
+
+            return Vision(Qwen2_5_VLConfig(**self.config).vision_config)
+        from transformers import Qwen2VLConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Vision
+
+        return Vision(Qwen2VLConfig(**self.config).vision_config)
+
+    def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        module = self._vision_module()
+        state = load_prefixed(self.checkpoint, {"model.visual.": "", "visual.": ""})
+        module.load_state_dict(state, strict=True)
+        self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
+
+    @torch.inference_mode()
+    def encode(self, batch: list[PixelInputs]) -> list[Features]:
+        param = next(self.vision.parameters())
+        pixels = torch.cat([p.tensors["pixel_values"] for p in batch]).to(param.device, param.dtype)
+        grids = torch.cat([p.tensors["image_grid_thw"] for p in batch]).to(param.device)
+        out = self.vision(pixels, grid_thw=grids)
+        embeds = out.pooler_output if hasattr(out, "pooler_output") else out
+        sizes = [p.num_tokens for p in batch]
+        return [
+            Features({"image_embeds": e, "image_grid_thw": p.tensors["image_grid_thw"]}, {"num_tokens": e.shape[0]})
+            for e, p in zip(torch.split(embeds, sizes), batch)
+        ]
+
+    def vllm_image_data(self, features: list[Features]):
+        return {
+            "image_embeds": torch.cat([f.tensors["image_embeds"] for f in features]),
+            "image_grid_thw": torch.cat([f.tensors["image_grid_thw"] for f in features]),
+        }
