@@ -38,6 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from cache_service import redis_bulk_get
 from cache_service.config import CacheConfig
 from cache_service.stats import CacheStats
 
@@ -85,6 +86,12 @@ class RedisTier:
             client_name="iris-feature-cache",
         )
         self._client = Redis(connection_pool=self._pool)
+        # Value reads take the copy-once path where the URL allows (not TLS).
+        self._bulk = (
+            redis_bulk_get.BulkGetClient(config.redis_url, config.redis_connect_timeout_s, config.redis_timeout_s)
+            if redis_bulk_get.supports(config.redis_url)
+            else None
+        )
         # Commands queue here rather than exceed the pool, which would raise.
         self._slots = asyncio.Semaphore(config.redis_pool_size)
         self._available = True
@@ -97,9 +104,12 @@ class RedisTier:
 
     # -- values ---------------------------------------------------------------
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None] | None:
-        # A pipeline of GETs rather than one MGET: the reply timeout then
-        # applies per value, so a batch of large values cannot trip it.
+    async def get_many(self, keys: Sequence[str]) -> list[Buffer | None] | None:
+        if self._bulk is not None:
+            return await self._run("GET", lambda: self._bulk.get_many(keys))
+
+        # A pipeline of GETs rather than one MGET: redis-py's reply timeout
+        # then applies per value, so a batch of large values cannot trip it.
         async def command() -> list[bytes | None]:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
@@ -187,6 +197,8 @@ class RedisTier:
 
     async def close(self) -> None:
         self._closed = True
+        if self._bulk is not None:
+            self._bulk.close()
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
             try:
@@ -238,6 +250,8 @@ class RedisTier:
             try:
                 # Connections pooled before the outage point at a dead socket.
                 await self._pool.disconnect(inuse_connections=False)
+                if self._bulk is not None:
+                    self._bulk.close()
                 await self._client.ping()
             except Exception as exc:
                 logger.debug("redis still unreachable (%r); next try in %.1f s", exc, delay)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cache_fixtures import assert_same_features, make_features
+from tests.cache_fixtures import assert_same_features, make_features
 
 from cache_service.codec import HEADER, CorruptValue, Features, decode, encode
 

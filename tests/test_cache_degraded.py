@@ -5,7 +5,7 @@ import logging
 import signal
 import time
 
-from cache_fixtures import (  # noqa: F401  (fixtures)
+from tests.cache_fixtures import (  # noqa: F401  (fixtures)
     FINGERPRINT,
     assert_same_features,
     free_port,

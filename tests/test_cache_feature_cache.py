@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cache_fixtures import (  # noqa: F401  (fixtures)
+from tests.cache_fixtures import (  # noqa: F401  (fixtures)
     FINGERPRINT,
     assert_same_features,
     make_cache,

@@ -4,7 +4,7 @@ import asyncio
 import time
 
 import pytest
-from cache_fixtures import (  # noqa: F401  (fixtures)
+from tests.cache_fixtures import (  # noqa: F401  (fixtures)
     FINGERPRINT,
     assert_same_features,
     make_cache,
