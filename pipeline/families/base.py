@@ -68,18 +68,6 @@ class FamilyAdapter(ABC):
         name = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
         return getattr(torch, name)
 
-    def vision_state_fingerprint(self) -> bytes:
-        """Bytes identifying the loaded vision weights (hashed into the model fingerprint)."""
-        assert self.vision is not None, "load_vision() first"
-        import hashlib
-
-        h = hashlib.sha256()
-        for name, t in sorted(self.vision.state_dict().items()):
-            h.update(name.encode())
-            h.update(str(t.dtype).encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.digest()
-
     def preprocessing_settings(self) -> bytes:
         """The image-processor configuration as saved in the checkpoint."""
         parts = []

@@ -1,0 +1,47 @@
+"""The public surface: `build_app(args)` returns the Iris application.
+
+    serve run serve_config.yaml              # import_path: deployments.app:build_app
+    serve.run(build_app({"model": "builtin:tiny-qwen2-vl"}))
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from deployments.config import IrisConfig
+from deployments.decode import LLMDecode
+from deployments.encoder import VisionEncoder
+from deployments.ingress import Ingress
+from deployments.preprocess import Preprocess
+
+logger = logging.getLogger("ray.serve")
+
+
+def build_app(args: dict | None = None) -> Application:
+    try:
+        config = IrisConfig.model_validate(args or {})
+    except ValidationError as err:
+        raise ValueError(f"invalid Iris application args:\n{err}") from None
+    _report_redis(config)
+    encoder = VisionEncoder.bind(config)
+    preprocess = Preprocess.bind(config, encoder)
+    decode = LLMDecode.bind(config)
+    return Ingress.bind(config, preprocess, encoder, decode)
+
+
+def _report_redis(config: IrisConfig) -> None:
+    """Iris starts without Redis (L1 only); say so up front."""
+    url = config.cache.redis_url
+    if url is None:
+        logger.warning("Iris: no redis_url configured; the feature cache is per process (L1 only)")
+        return
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
+    except (redis.RedisError, OSError) as err:
+        logger.warning("Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
+                       "reconnecting in the background", url, err)

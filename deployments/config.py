@@ -1,0 +1,83 @@
+"""IrisConfig: the application `args` of serve_config.yaml, validated once at build time.
+
+Per-deployment resources, replica counts and autoscaling are not here: they
+are Serve's own `deployments:` options in serve_config.yaml.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cache_service.config import CacheConfig
+from pipeline.media import MediaLimits
+
+# vLLM engine arguments Iris relies on; users may not turn them off.
+REQUIRED_ENGINE_ARGS = {"enable_mm_embeds": True, "enable_prefix_caching": True}
+
+
+class IrisConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "builtin:tiny-llava",
+        description="builtin:<tiny|bench>-<llava|qwen2-vl>, a local checkpoint folder, or a hub id.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients pass as `model` and /v1/models lists; defaults to `model`."
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Encoder-feature cache (L1 + Redis).")
+    media: MediaLimits = Field(default_factory=MediaLimits, description="Image download and decoding limits.")
+    max_images_per_prompt: int = Field(
+        4, ge=1, le=64, description="Images accepted in one request (like vLLM's --limit-mm-per-prompt)."
+    )
+    encoder_batch_size: int = Field(8, ge=1, le=1024, description="Most images per vision-encoder forward pass.")
+    encoder_batch_wait_s: float = Field(
+        0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
+    )
+    encoder_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the vision tower runs; auto picks cuda when a GPU is visible."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype of the vision encoder and of vLLM; auto takes the checkpoint's. "
+        "Both must match for features to equal vLLM's own.",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=lambda: {"max_model_len": 4096},
+        description="Extra vLLM AsyncEngineArgs for LLMDecode (e.g. max_model_len, "
+        "gpu_memory_utilization, tensor_parallel_size, block_size).",
+    )
+    tenant_header: str | None = Field(
+        "X-Iris-Tenant",
+        description="Header naming the tenant (set by a trusted gateway); None ignores it and "
+        "derives the tenant from the API key only.",
+    )
+    request_timeout_s: float = Field(
+        300, gt=0, description="Upper bound on one request's image work (fetch, preprocess, encode)."
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from dataclasses import fields
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in fields(AsyncEngineArgs)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown vLLM engine args {unknown}")
+        for name, required in REQUIRED_ENGINE_ARGS.items():
+            if name in value and value[name] != required:
+                raise ValueError(f"engine_args.{name} must be {required}: Iris feeds features as embeddings "
+                                 "and relies on prefix caching")
+        for name in ("model", "dtype", "limit_mm_per_prompt"):
+            if name in value:
+                raise ValueError(f"set {name!r} through Iris's own field, not engine_args")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,91 @@
+"""LLMDecode: vLLM AsyncLLM fed cached features as image embeddings.
+
+`multi_modal_uuids` are set to the cache keys, so vLLM's prefix cache knows an
+image it has seen before, whichever replica computed the features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from cache_service.feature_cache import FeatureCache
+from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
+from deployments.metrics import CacheMetrics
+from pipeline.families import adapter_for
+from pipeline.models.source import resolve_model
+from pipeline.stage_io import DecodeChunk, DecodeRequest
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class LLMDecode:
+    def __init__(self, config: IrisConfig):
+        from ray.serve import metrics
+        from transformers import AutoProcessor
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        checkpoint = resolve_model(config.model)
+        self.adapter = adapter_for(checkpoint)
+        self.processor = AutoProcessor.from_pretrained(str(self.adapter.root))
+        dtype = config.dtype if config.dtype != "auto" else str(self.adapter.vision_dtype).removeprefix("torch.")
+        args = AsyncEngineArgs(
+            model=checkpoint, served_model_name=[config.model_name], dtype=dtype,
+            limit_mm_per_prompt={"image": config.max_images_per_prompt},
+            **{**config.engine_args, **REQUIRED_ENGINE_ARGS},
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.cache = FeatureCache(config.cache)
+        self.cache_metrics = CacheMetrics(self.cache)
+        self.prefix_hit_tokens = metrics.Counter(
+            "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
+        self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        keys = request.image_keys
+        features = [request.inline_features.get(k) for k in keys]
+        lookup = [k for k, f in zip(keys, features) if f is None]
+        if lookup:
+            found = dict(zip(lookup, await self.cache.get_many(lookup)))
+            self.cache_metrics.export()
+            features = [f if f is not None else found[k] for k, f in zip(keys, features)]
+            missing = [k for k, f in zip(keys, features) if f is None]
+            if missing:
+                yield DecodeChunk(missing_keys=missing)
+                return
+
+        prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        engine_prompt: dict = {"prompt": prompt}
+        if keys:
+            engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
+            engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
+        s = request.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            stop=s.stop or None, output_kind=RequestOutputKind.DELTA,
+        )
+        completion_tokens = 0
+        try:
+            async for out in self.engine.generate(engine_prompt, params, request.request_id):
+                completion = out.outputs[0]
+                completion_tokens += len(completion.token_ids)
+                chunk = DecodeChunk(text=completion.text, finish_reason=completion.finish_reason)
+                if out.finished:
+                    chunk.prompt_tokens = len(out.prompt_token_ids or [])
+                    chunk.completion_tokens = completion_tokens
+                    chunk.cached_tokens = out.num_cached_tokens or 0
+                    self.prompt_tokens.inc(max(chunk.prompt_tokens, 1))
+                    if chunk.cached_tokens:
+                        self.prefix_hit_tokens.inc(chunk.cached_tokens)
+                yield chunk
+        except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
+            yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt", "param": "messages"})
+
+    def check_health(self) -> None:
+        if self.engine.errored:
+            raise RuntimeError(f"vLLM engine is dead: {self.engine.dead_error}")

@@ -1,0 +1,42 @@
+"""Iris's Prometheus metrics, through ray.serve.metrics (exported on Serve's metrics endpoint)."""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from cache_service.feature_cache import FeatureCache
+
+# Stats that are levels, not running counts.
+GAUGES = {"degraded", "l1_bytes", "l1_entries"}
+_LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+
+
+class CacheMetrics:
+    """Mirrors a FeatureCache's counters into Prometheus counters, as deltas.
+    (Serve tags every metric with its deployment and replica itself.)"""
+
+    def __init__(self, cache: FeatureCache):
+        self.cache = cache
+        self.counter = metrics.Counter(
+            "iris_feature_cache_events", description="Feature-cache events by kind "
+            "(l1_hits, l1_misses, l2_hits, l2_misses, puts, corrupt, oversize, degraded transitions, ...)",
+            tag_keys=("event",))
+        self.degraded = metrics.Gauge(
+            "iris_feature_cache_degraded", description="1 while Redis is unreachable and the cache serves L1 only",
+        )
+        self._last: dict[str, float] = {}
+
+    def export(self) -> None:
+        snapshot = self.cache.stats()
+        for name, value in snapshot.items():
+            if name in GAUGES:
+                continue
+            delta = value - self._last.get(name, 0)
+            if delta > 0:
+                self.counter.inc(delta, tags={"event": name})
+        self._last = dict(snapshot)
+        self.degraded.set(0 if self.cache.redis_available else 1)
+
+
+def latency_histogram(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
+    return metrics.Histogram(name, description=description, boundaries=_LATENCY_BOUNDARIES, tag_keys=tag_keys)
