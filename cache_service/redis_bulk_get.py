@@ -59,6 +59,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
         self._scratch = bytearray(_SCRATCH_BYTES)  # reply headers land here
         self._start = 0  # first unparsed byte in scratch
         self._end = 0  # end of received bytes in scratch
+        self._scanned = 0  # scratch[_start:_scanned] holds no CRLF (no rescans of a long line)
         self._bulk: bytearray | mmap.mmap | None = None  # value being received, with its trailing CRLF
         self._bulk_filled = 0
         self._replies: list = []
@@ -87,6 +88,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
             if self._start == 0:
                 self._scratch = bytearray(2 * len(self._scratch))
             self._scratch[: len(pending)] = pending
+            self._scanned -= self._start
             self._start, self._end = 0, len(pending)
         return memoryview(self._scratch)[self._end :]
 
@@ -116,8 +118,9 @@ class _ReplyReader(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         scratch = self._scratch
         while self._bulk is None and self._start < self._end:
-            eol = scratch.find(b"\r\n", self._start, self._end)
+            eol = scratch.find(b"\r\n", max(self._start, self._scanned - 1), self._end)
             if eol < 0:
+                self._scanned = self._end
                 break
             kind, line = scratch[self._start], bytes(scratch[self._start + 1 : eol])
             self._start = eol + 2
@@ -143,7 +146,7 @@ class _ReplyReader(asyncio.BufferedProtocol):
                 self._protocol_error(f"unexpected reply type {chr(kind)!r}")
                 return
         if self._start == self._end:
-            self._start = self._end = 0
+            self._start = self._end = self._scanned = 0
 
     def _finish_bulk(self) -> None:
         bulk, self._bulk = self._bulk, None

@@ -94,24 +94,25 @@ def free_port() -> int:
 class RedisProcess:
     """A private redis-server that a test can kill, stop and start again on the same port."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, *extra_args: str):
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 5
-        while True:
+        while True:  # up once the port accepts connections
             try:
-                redis.Redis(port=self.port, socket_timeout=0.2).ping()
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return
-            except redis.ConnectionError:
+            except OSError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
