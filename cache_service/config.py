@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.keys import DEFAULT_NAMESPACE
 
@@ -69,6 +69,13 @@ class CacheConfig(BaseModel):
     backoff_max_s: float = Field(
         30.0, gt=0, description="Upper bound of the reconnect delay, which doubles per failure."
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        return url
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "CacheConfig":

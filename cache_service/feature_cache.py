@@ -105,8 +105,8 @@ class FeatureCache:
             self._stats.puts += 1
             # L1 first, so concurrent readers hit while the Redis write is in flight.
             self._l1.put(key, features, in_l2=False)
-            if self._l2 is None:
-                continue
+            if not self.redis_available:
+                continue  # no encoding work while degraded
             try:
                 value = encode(features)
             except Exception:
@@ -275,12 +275,14 @@ class _Flight:
             task.add_done_callback(self.cache._background.discard)
             self.locked.clear()
 
-    def _resolve(self, key: str, features: Features, computed: bool, shared: bool) -> None:
+    def _resolve(
+        self, key: str, features: Features, computed: bool, shared: bool, for_joiners: Features | None = None
+    ) -> None:
         for i in self.positions[key]:
             self.results[i] = ComputeResult(features, computed=computed, shared=shared)
         future = self.owned.get(key)
         if future is not None and not future.done():
-            future.set_result((features, shared))
+            future.set_result((features if for_joiners is None else for_joiners, shared))
 
     async def _claim(self, keys: list[str]) -> tuple[list[str], list[str]]:
         """Lock keys in Redis; returns (keys to compute now, keys another replica computes)."""
@@ -321,11 +323,14 @@ class _Flight:
         if not all(isinstance(f, Features) for f in features):
             raise TypeError("compute must return Features")
         self.stats.computations += len(keys)
+        # The caller gets back what its compute returned (on its device); the
+        # cache and other callers in this process get host copies.
+        on_host = [f.cpu() for f in features]
         # Write the values before releasing the locks: a waiter that sees the
         # lock gone without a value takes over and computes again.
-        shared = await self.cache.put_many(list(zip(keys, features)))
-        for key, f, in_l2 in zip(keys, features, shared):
-            self._resolve(key, f.cpu(), computed=True, shared=in_l2)
+        shared = await self.cache.put_many(list(zip(keys, on_host)))
+        for key, f, host, in_l2 in zip(keys, features, on_host, shared):
+            self._resolve(key, f, computed=True, shared=in_l2, for_joiners=host)
         await self._release([k for k in keys if k in self.locked])
 
     async def _wait_for_other_replicas(self, keys: list[str]) -> list[str]:

@@ -63,6 +63,22 @@ return n
 """
 
 
+_WRITE_PIPELINE_BYTES = 16 << 20
+
+
+def _groups_by_size(items: Sequence[tuple[str, Buffer]], budget: int) -> list[list[tuple[str, Buffer]]]:
+    """Consecutive groups of items whose values add up to at most budget (or one item)."""
+    groups: list[list[tuple[str, Buffer]]] = []
+    size = budget + 1
+    for item in items:
+        if size + len(item[1]) > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += len(item[1])
+    return groups
+
+
 def lock_key(key: str) -> str:
     # keys.py escapes ':' inside fields, so a ":lock" suffix (one field more
     # than any value key) cannot equal a value key.
@@ -119,16 +135,23 @@ class RedisTier:
         return await self._run("GET", command)
 
     async def set_many(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list[bool] | None:
+        # In pipelines of at most _WRITE_PIPELINE_BYTES: redis-py sends a whole
+        # pipeline under one socket timeout, and Redis buffers it whole, so a
+        # batch of large values in one pipeline could time out (and wrongly
+        # switch to degraded mode) on a busy machine.
         async def command() -> list[bool]:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for key, value in items:
-                    pipe.set(key, value, px=ttl_ms)
-                replies = await pipe.execute(raise_on_error=False)
-            failed = [r for r in replies if isinstance(r, Exception)]
-            if failed:
-                self._stats.l2_errors += len(failed)
-                logger.warning("redis SET failed for %d of %d values: %s", len(failed), len(items), failed[0])
-            return [r is True for r in replies]
+            stored: list[bool] = []
+            for group in _groups_by_size(items, _WRITE_PIPELINE_BYTES):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for key, value in group:
+                        pipe.set(key, value, px=ttl_ms)
+                    replies = await pipe.execute(raise_on_error=False)
+                failed = [r for r in replies if isinstance(r, Exception)]
+                if failed:
+                    self._stats.l2_errors += len(failed)
+                    logger.warning("redis SET failed for %d of %d values: %s", len(failed), len(group), failed[0])
+                stored += [r is True for r in replies]
+            return stored
 
         return await self._run("SET", command)
 
@@ -247,11 +270,14 @@ class RedisTier:
         delay = self._config.backoff_initial_s
         while not self._closed:
             await asyncio.sleep(delay)
+            # Connections pooled before the outage point at a dead socket.
+            if self._bulk is not None:
+                self._bulk.close()
             try:
-                # Connections pooled before the outage point at a dead socket.
                 await self._pool.disconnect(inuse_connections=False)
-                if self._bulk is not None:
-                    self._bulk.close()
+            except Exception:
+                pass  # closing a dead socket may complain; the ping decides
+            try:
                 await self._client.ping()
             except Exception as exc:
                 logger.debug("redis still unreachable (%r); next try in %.1f s", exc, delay)
