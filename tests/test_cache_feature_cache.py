@@ -195,3 +195,18 @@ async def test_compute_errors_reach_the_caller_and_leave_no_lock(make_cache, nam
 
     with pytest.raises(ValueError):
         await make_cache().get_or_compute_many([key], wrong_count)
+
+
+async def test_batch_of_large_values_with_default_timeouts(make_cache, namespace):
+    # ~22 MB in one put_many and one get_many: larger than one write pipeline,
+    # and it must neither time out nor switch the cache to degraded mode.
+    keys = [content_key(FINGERPRINT, bytes([i]), namespace) for i in range(3)]
+    big = [make_features(i, tokens=1024, hidden=3584) for i in range(3)]
+    writer = make_cache()
+    assert await writer.put_many(list(zip(keys, big))) == [True, True, True]
+    reader = make_cache()
+    got = await reader.get_many(keys)
+    for want, have in zip(big, got):
+        assert_same_features(want, have)
+    assert writer.stats()["degraded_transitions"] == 0 and reader.stats()["degraded_transitions"] == 0
+    assert reader.stats()["l2_hits"] == 3
