@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -64,6 +65,7 @@ return n
 
 
 _WRITE_PIPELINE_BYTES = 16 << 20
+_ERROR_LOG_INTERVAL_S = 60.0  # e.g. OOM under noeviction fails every write: log it once a minute
 
 
 def _groups_by_size(items: Sequence[tuple[str, Buffer]], budget: int) -> list[list[tuple[str, Buffer]]]:
@@ -113,6 +115,7 @@ class RedisTier:
         self._available = True
         self._closed = False
         self._reconnect_task: asyncio.Task | None = None
+        self._last_error_log: dict[str, float] = {}
 
     @property
     def available(self) -> bool:
@@ -149,7 +152,7 @@ class RedisTier:
                 failed = [r for r in replies if isinstance(r, Exception)]
                 if failed:
                     self._stats.l2_errors += len(failed)
-                    logger.warning("redis SET failed for %d of %d values: %s", len(failed), len(group), failed[0])
+                    self._log_error("SET", f"{len(failed)} of {len(group)} values failed: {failed[0]}")
                 stored += [r is True for r in replies]
             return stored
 
@@ -245,12 +248,18 @@ class RedisTier:
             self._go_degraded(what, exc)
         except RedisError as exc:
             self._stats.l2_errors += 1
-            logger.warning("redis %s failed: %s", what, exc)
+            self._log_error(what, exc)
         except Exception:
             # A bug here must not fail the request that happened to use the cache.
             self._stats.l2_errors += 1
             logger.exception("unexpected error in redis %s", what)
         return None
+
+    def _log_error(self, what: str, error: object) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log.get(what, -_ERROR_LOG_INTERVAL_S) >= _ERROR_LOG_INTERVAL_S:
+            self._last_error_log[what] = now
+            logger.warning("redis %s failed: %s (counted in l2_errors; logged at most once a minute)", what, error)
 
     def _go_degraded(self, what: str, exc: BaseException) -> None:
         if not self._available or self._closed:

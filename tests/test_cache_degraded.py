@@ -7,6 +7,7 @@ import time
 
 from tests.cache_fixtures import (  # noqa: F401  (fixtures)
     FINGERPRINT,
+    RedisProcess,
     assert_same_features,
     free_port,
     make_cache,
@@ -89,3 +90,22 @@ async def test_unreachable_from_the_start(make_cache, namespace):
     assert await cache.put_many([(key, make_features())]) == [False]
     assert (await cache.get_many([key]))[0] is not None
     assert cache.stats()["degraded"] == 1
+
+
+async def test_full_redis_fails_writes_without_degrading(make_cache, namespace, caplog):
+    # maxmemory with the default noeviction policy: every write is refused (OOM).
+    server = RedisProcess(free_port(), "--maxmemory", "1mb")
+    server.start()
+    try:
+        cache = make_cache(redis_url=server.url)
+        caplog.set_level(logging.WARNING, logger="cache_service")
+        keys = [content_key(FINGERPRINT, bytes([i]), namespace) for i in range(3)]
+        for key in keys:
+            assert await cache.put_many([(key, make_features(tokens=1024, hidden=512))]) == [False]
+        stats = cache.stats()
+        assert stats["l2_errors"] == 3 and stats["degraded_transitions"] == 0
+        assert cache.redis_available
+        assert all(f is not None for f in await cache.get_many(keys))  # L1 still serves
+        assert len([r for r in caplog.records if "maxmemory" in r.getMessage()]) == 1  # rate-limited
+    finally:
+        server.kill()
