@@ -39,14 +39,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cache_service import redis_bulk_get
+from cache_service import redis_bulk
 from cache_service.config import CacheConfig
 from cache_service.stats import CacheStats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Buffer = bytes | bytearray | memoryview
+Buffer = redis_bulk.Buffer
 
 # Errors that mean "Redis is unreachable or too slow": they switch to degraded
 # mode. Other RedisErrors (e.g. OOM under noeviction) fail one command only.
@@ -63,22 +63,7 @@ end
 return n
 """
 
-
-_WRITE_PIPELINE_BYTES = 16 << 20
 _ERROR_LOG_INTERVAL_S = 60.0  # e.g. OOM under noeviction fails every write: log it once a minute
-
-
-def _groups_by_size(items: Sequence[tuple[str, Buffer]], budget: int) -> list[list[tuple[str, Buffer]]]:
-    """Consecutive groups of items whose values add up to at most budget (or one item)."""
-    groups: list[list[tuple[str, Buffer]]] = []
-    size = budget + 1
-    for item in items:
-        if size + len(item[1]) > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += len(item[1])
-    return groups
 
 
 def lock_key(key: str) -> str:
@@ -104,10 +89,10 @@ class RedisTier:
             client_name="iris-feature-cache",
         )
         self._client = Redis(connection_pool=self._pool)
-        # Value reads take the copy-once path where the URL allows (not TLS).
+        # Values move through the copy-once client where the URL allows (not TLS).
         self._bulk = (
-            redis_bulk_get.BulkGetClient(config.redis_url, config.redis_connect_timeout_s, config.redis_timeout_s)
-            if redis_bulk_get.supports(config.redis_url)
+            redis_bulk.BulkClient(config.redis_url, config.redis_connect_timeout_s, config.redis_timeout_s)
+            if redis_bulk.supports(config.redis_url)
             else None
         )
         # Commands queue here rather than exceed the pool, which would raise.
@@ -138,25 +123,29 @@ class RedisTier:
         return await self._run("GET", command)
 
     async def set_many(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list[bool] | None:
-        # In pipelines of at most _WRITE_PIPELINE_BYTES: redis-py sends a whole
-        # pipeline under one socket timeout, and Redis buffers it whole, so a
-        # batch of large values in one pipeline could time out (and wrongly
-        # switch to degraded mode) on a busy machine.
         async def command() -> list[bool]:
-            stored: list[bool] = []
-            for group in _groups_by_size(items, _WRITE_PIPELINE_BYTES):
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for key, value in group:
-                        pipe.set(key, value, px=ttl_ms)
-                    replies = await pipe.execute(raise_on_error=False)
-                failed = [r for r in replies if isinstance(r, Exception)]
-                if failed:
-                    self._stats.l2_errors += len(failed)
-                    self._log_error("SET", f"{len(failed)} of {len(group)} values failed: {failed[0]}")
-                stored += [r is True for r in replies]
-            return stored
+            if self._bulk is not None:
+                replies = await self._bulk.set_many(items, ttl_ms)
+            else:
+                replies = await self._set_with_redis_py(items, ttl_ms)
+            failed = [r for r in replies if isinstance(r, Exception)]
+            if failed:
+                self._stats.l2_errors += len(failed)
+                self._log_error("SET", f"{len(failed)} of {len(items)} values failed: {failed[0]}")
+            return [r is True for r in replies]
 
         return await self._run("SET", command)
+
+    async def _set_with_redis_py(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list:
+        # In size-bounded pipelines: redis-py sends a whole pipeline under one
+        # socket timeout, so one pipeline of many large values could time out.
+        replies: list = []
+        for group in redis_bulk.groups_by_size([memoryview(v).nbytes for _, v in items], redis_bulk.PIPELINE_BYTES):
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in group:
+                    pipe.set(items[i][0], items[i][1], px=ttl_ms)
+                replies += await pipe.execute(raise_on_error=False)
+        return replies
 
     async def exists_many(self, keys: Sequence[str]) -> list[bool] | None:
         async def command() -> list[bool]:

@@ -9,7 +9,7 @@ import pytest
 import redis
 from redis.exceptions import ResponseError
 
-from cache_service.redis_bulk_get import BulkGetClient, _ReplyReader, supports
+from cache_service.redis_bulk import BulkClient, _ReplyReader, groups_by_size, supports
 from tests.cache_fixtures import (  # noqa: F401  (fixtures)
     SHARED_REDIS_URL,
     RedisProcess,
@@ -77,7 +77,7 @@ async def test_round_trip_against_redis(raw_redis, namespace):
     values = [os.urandom(n) for n in sizes]
     for key, value in zip(keys, values):
         raw_redis.set(key, value)
-    client = BulkGetClient(SHARED_REDIS_URL, 1.0, 1.0)
+    client = BulkClient(SHARED_REDIS_URL, 1.0, 1.0)
     try:
         order = [3, 0, 8, 1, 2, 4, 5, 6, 7]  # index 8 is absent
         got = await client.get_many([keys[i] if i < len(keys) else f"{namespace}:missing" for i in order])
@@ -95,7 +95,7 @@ async def test_round_trip_against_redis(raw_redis, namespace):
 
 async def test_wrong_type_is_a_response_error(raw_redis, namespace):
     raw_redis.rpush(f"{namespace}:list", "a")
-    client = BulkGetClient(SHARED_REDIS_URL, 1.0, 1.0)
+    client = BulkClient(SHARED_REDIS_URL, 1.0, 1.0)
     with pytest.raises(ResponseError):
         await client.get_many([f"{namespace}:list"])
     raw_redis.set(f"{namespace}:ok", b"fine")
@@ -110,10 +110,10 @@ async def test_auth_and_database_from_url():
         writer = redis.Redis(port=server.port, db=3, password="s3cret")
         writer.set("k", b"in db 3")
         writer.close()
-        good = BulkGetClient(f"redis://:s3cret@127.0.0.1:{server.port}/3", 1.0, 1.0)
+        good = BulkClient(f"redis://:s3cret@127.0.0.1:{server.port}/3", 1.0, 1.0)
         assert [bytes(v) for v in await good.get_many(["k"])] == [b"in db 3"]
         good.close()
-        bad = BulkGetClient(f"redis://:wrong@127.0.0.1:{server.port}/3", 1.0, 1.0)
+        bad = BulkClient(f"redis://:wrong@127.0.0.1:{server.port}/3", 1.0, 1.0)
         with pytest.raises(ResponseError):
             await bad.get_many(["k"])
         bad.close()
@@ -124,7 +124,7 @@ async def test_auth_and_database_from_url():
 async def test_restart_and_freeze(redis_process):
     writer = redis.Redis(port=redis_process.port)
     writer.set("k", b"v1")
-    client = BulkGetClient(redis_process.url, 0.5, 0.2)
+    client = BulkClient(redis_process.url, 0.5, 0.2)
     assert [bytes(v) for v in await client.get_many(["k"])] == [b"v1"]
 
     redis_process.kill()
@@ -148,3 +148,36 @@ async def test_restart_and_freeze(redis_process):
         await client.get_many(["k"])
     client.close()
     writer.close()
+
+
+def test_groups_by_size():
+    assert groups_by_size([], 10) == []
+    assert groups_by_size([4, 4, 4, 20, 1, 9], 10) == [[0, 1], [2], [3], [4, 5]]
+
+
+async def test_set_many_round_trip_with_ttl(raw_redis, namespace):
+    items = [(f"{namespace}:s{i}", bytearray(os.urandom(n))) for i, n in enumerate([10, 200_000, 6 << 20, 6 << 20])]
+    client = BulkClient(SHARED_REDIS_URL, 1.0, 1.0)
+    try:
+        assert await client.set_many(items, 30_000) == [True] * 4
+        for key, value in items:
+            assert raw_redis.get(key) == bytes(value)
+            assert 25_000 < raw_redis.pttl(key) <= 30_000
+        got = await client.get_many([k for k, _ in items])
+        assert [bytes(v) for v in got] == [bytes(v) for _, v in items]
+    finally:
+        client.close()
+
+
+async def test_set_many_reports_refused_writes_per_item():
+    server = RedisProcess(free_port(), "--maxmemory", "2mb")
+    server.start()
+    client = BulkClient(server.url, 1.0, 1.0)
+    try:
+        replies = await client.set_many([("small", b"x" * 100), ("big", bytes(4 << 20)), ("small2", b"y")], 10_000)
+        assert replies[0] is True
+        assert isinstance(replies[1], ResponseError) or isinstance(replies[2], ResponseError)
+        assert [bytes(v) for v in await client.get_many(["small"])] == [b"x" * 100]  # connection still fine
+    finally:
+        client.close()
+        server.kill()

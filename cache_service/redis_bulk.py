@@ -1,21 +1,27 @@
-"""Batched Redis GET for large values, received straight into their final buffers.
+"""Batched Redis GET and SET of large values, each copied once on our side.
 
-Why a second client for one command: L2 reads are the cache's hot path, and
+Why a second client for two commands: L2 reads are the cache's hot path, and
 through redis-py a GET of a 4.7 MB value took 3-6 ms here with the hiredis
 parser and ~8 ms with the pure-Python one (asyncio's stream buffer, the parser
 and the final `bytes` each copy the value, in 64 KB steps through the event
 loop). An `asyncio.BufferedProtocol` lets the event loop `recv_into` a buffer
-sized from the RESP header, so each value is copied once, from the
-kernel into the buffer it is decoded from. Since that buffer is writable,
-tensors decoded from it are writable without another copy.
+sized from the RESP header, so each value is copied once, from the kernel into
+the buffer it is decoded from; that buffer is writable, so tensors decoded
+from it are too. Writes send the encoded value as its own chunk (no
+concatenation with the command).
 
-Scope: pipelined GETs only, RESP2, over TCP or a unix socket, with AUTH and
-SELECT taken from the URL. TLS (rediss://) and every other command go through
+Timeouts count silence, not duration: a request fails after `reply_timeout_s`
+without any byte received or sent. A frozen Redis is detected as fast as with
+redis-py's per-reply timeout, but a batch of large values on a busy 2-core
+machine is not mistaken for one (with redis-py, a 16 MB pipeline of SETs
+timed out at 250 ms under CPU load here).
+
+Scope: GET, STRLEN and SET ... PX, RESP2, over TCP or a unix socket, with AUTH
+and SELECT from the URL. TLS (rediss://) and every other command go through
 redis-py (see redis_tier.py). Errors surface as OSError subclasses
 (ConnectionError, TimeoutError) or redis.exceptions.ResponseError, which the
 tier handles like redis-py's.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +31,11 @@ from collections.abc import Sequence
 from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
 from redis.exceptions import ResponseError
 
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
 _SCRATCH_BYTES = 64 * 1024
-_PIPELINE_BYTES = 10 << 20  # see _get_in_groups
+PIPELINE_BYTES = 10 << 20  # see BulkClient
+_SEPARATE_ARG_BYTES = 64 * 1024
 _MMAP_MIN_BYTES = 1 << 20
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
@@ -176,31 +185,41 @@ class _Connection:
     def usable(self) -> bool:
         return not self.transport.is_closing()
 
-    async def request(self, commands: Sequence[Sequence[bytes]], timeout_s: float) -> list:
-        """Send commands in one write; wait for all replies.
+    async def request(self, commands: Sequence[Sequence[Buffer]], timeout_s: float) -> list:
+        """Send commands in one go; wait for all replies.
 
-        Times out only when Redis stays silent for timeout_s: a large value
-        that keeps arriving is slow, not stuck.
+        Times out only after timeout_s without progress (nothing received and
+        nothing more sent): a large value on the move is slow, not stuck.
         """
         waiter = self.reader.expect(len(commands))
-        self.transport.write(_pack(commands))
-        seen = self.reader.received
+        for chunk in _pack(commands):
+            self.transport.write(chunk)
+        seen = (self.reader.received, self.transport.get_write_buffer_size())
         while True:
             done, _ = await asyncio.wait([waiter], timeout=timeout_s)
             if done:
                 return waiter.result()
-            if self.reader.received == seen:
-                raise TimeoutError(f"redis sent nothing for {timeout_s} s")
-            seen = self.reader.received
+            progress = (self.reader.received, self.transport.get_write_buffer_size())
+            if progress == seen:
+                raise TimeoutError(f"no progress from redis for {timeout_s} s")
+            seen = progress
 
     def close(self) -> None:
         self.transport.close()
 
 
-class BulkGetClient:
+class BulkClient:
+    """GET and SET of many values over a small pool of connections.
+
+    Values move in pipelines of at most PIPELINE_BYTES, one after another:
+    Redis answers pipelined GETs of several large values much slower than the
+    same GETs in sequence (measured: 8 x 4.7 MB in ~45 ms pipelined against
+    ~15 ms in turn), and buffers a whole pipeline of SETs before answering.
+    """
+
     def __init__(self, url: str, connect_timeout_s: float, reply_timeout_s: float):
         if not supports(url):
-            raise ValueError(f"BulkGetClient does not support {url.split(':', 1)[0]}:// URLs")
+            raise ValueError(f"BulkClient does not support {url.split(':', 1)[0]}:// URLs")
         self._params = parse_url(url)
         self._connect_timeout_s = connect_timeout_s
         self._reply_timeout_s = reply_timeout_s
@@ -209,18 +228,26 @@ class BulkGetClient:
         self._idle: list[_Connection] = []
 
     async def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
-        conn = self._take_idle()
-        if conn is not None:
-            try:
-                return await self._fetch(conn, keys)
-            except ConnectionError:
-                pass  # the pooled connection was stale (e.g. Redis restarted): one fresh try
-        return await self._fetch(await self._connect(), keys)
+        """Values in key order, None where absent; raises ResponseError on any error reply."""
+        return await self._on_connection(self._get_many, keys)
+
+    async def set_many(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list[bool | ResponseError]:
+        """SET ... PX ttl_ms for each item; per item True or the error Redis replied (e.g. OOM)."""
+        return await self._on_connection(self._set_many, items, ttl_ms)
 
     def close(self) -> None:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+    async def _on_connection(self, work, *args):
+        conn = self._take_idle()
+        if conn is not None:
+            try:
+                return await self._run(conn, work, *args)
+            except ConnectionError:
+                pass  # the pooled connection was stale (e.g. Redis restarted); GET and SET can be repeated
+        return await self._run(await self._connect(), work, *args)
 
     def _take_idle(self) -> _Connection | None:
         while self._idle:
@@ -229,9 +256,9 @@ class BulkGetClient:
                 return conn
         return None
 
-    async def _fetch(self, conn: _Connection, keys: Sequence[str]) -> list[memoryview | None]:
+    async def _run(self, conn: _Connection, work, *args):
         try:
-            values = await self._get_in_groups(conn, keys)
+            result = await work(conn, *args)
         except ResponseError:
             self._idle.append(conn)  # every reply was read: the connection is in a clean state
             raise
@@ -239,43 +266,30 @@ class BulkGetClient:
             conn.close()  # mid-reply state unknown (error, timeout, cancellation)
             raise
         self._idle.append(conn)
-        return values
+        return result
 
-    async def _get_in_groups(self, conn: _Connection, keys: Sequence[str]) -> list[memoryview | None]:
-        # Redis answers pipelined GETs of several large values much slower than
-        # the same GETs one after another (measured: 8 x 4.7 MB in ~45 ms
-        # pipelined against ~15 ms in sequence), so values are fetched in
-        # pipelines of at most _PIPELINE_BYTES, sized by one STRLEN round trip
-        # (which also skips the absent keys).
+    async def _get_many(self, conn: _Connection, keys: Sequence[str]) -> list[memoryview | None]:
         if len(keys) == 1:
-            return self._values(await conn.request([(b"GET", keys[0].encode())], self._reply_timeout_s))
-        sizes = self._values(await conn.request([(b"STRLEN", k.encode()) for k in keys], self._reply_timeout_s))
+            return _raise_errors(await conn.request([(b"GET", keys[0].encode())], self._reply_timeout_s))
+        # One STRLEN round trip sizes the pipelines and skips absent keys.
+        sizes = _raise_errors(await conn.request([(b"STRLEN", k.encode()) for k in keys], self._reply_timeout_s))
         values: list[memoryview | None] = [None] * len(keys)
-        group: list[int] = []
-        group_bytes = 0
-        for i, size in enumerate(sizes):
-            if size == 0:
-                continue  # absent (no value this cache writes is empty)
-            if group and group_bytes + size > _PIPELINE_BYTES:
-                await self._get_group(conn, keys, group, values)
-                group, group_bytes = [], 0
-            group.append(i)
-            group_bytes += size
-        if group:
-            await self._get_group(conn, keys, group, values)
+        present = [i for i, size in enumerate(sizes) if size > 0]  # no value this cache writes is empty
+        for group in groups_by_size([sizes[i] for i in present], PIPELINE_BYTES):
+            indexes = [present[j] for j in group]
+            replies = await conn.request([(b"GET", keys[i].encode()) for i in indexes], self._reply_timeout_s)
+            for i, reply in zip(indexes, _raise_errors(replies)):
+                values[i] = reply
         return values
 
-    async def _get_group(self, conn: _Connection, keys: Sequence[str], group: list[int], values: list) -> None:
-        replies = self._values(await conn.request([(b"GET", keys[i].encode()) for i in group], self._reply_timeout_s))
-        for i, reply in zip(group, replies):
-            values[i] = reply
-
-    @staticmethod
-    def _values(replies: list) -> list:
-        for reply in replies:
-            if isinstance(reply, ResponseError):
-                raise reply
-        return replies
+    async def _set_many(self, conn: _Connection, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list:
+        ttl = str(ttl_ms).encode()
+        results: list[bool | ResponseError] = []
+        for group in groups_by_size([memoryview(v).nbytes for _, v in items], PIPELINE_BYTES):
+            commands = [(b"SET", items[i][0].encode(), items[i][1], b"PX", ttl) for i in group]
+            replies = await conn.request(commands, self._reply_timeout_s)
+            results += [r if isinstance(r, ResponseError) else r == "OK" for r in replies]
+        return results
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -294,21 +308,46 @@ class BulkGetClient:
             handshake.append((b"SELECT", str(params["db"]).encode()))
         if handshake:
             try:
-                replies = await conn.request(handshake, self._connect_timeout_s)
+                _raise_errors(await conn.request(handshake, self._connect_timeout_s))
             except BaseException:
                 conn.close()
                 raise
-            for reply in replies:
-                if isinstance(reply, ResponseError):
-                    conn.close()
-                    raise reply
         return conn
 
 
-def _pack(commands: Sequence[Sequence[bytes]]) -> bytes:
-    out = bytearray()
+def groups_by_size(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Indexes into sizes, in order, grouped so each group adds up to at most budget (or is one item)."""
+    groups: list[list[int]] = []
+    total = budget + 1
+    for i, size in enumerate(sizes):
+        if total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def _raise_errors(replies: list) -> list:
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise reply
+    return replies
+
+
+def _pack(commands: Sequence[Sequence[Buffer]]) -> list[Buffer]:
+    """RESP arrays; large arguments stay separate chunks so they are never concatenated."""
+    chunks: list[Buffer] = []
+    small = bytearray()
     for args in commands:
-        out += b"*%d\r\n" % len(args)
+        small += b"*%d\r\n" % len(args)
         for arg in args:
-            out += b"$%d\r\n%s\r\n" % (len(arg), arg)
-    return bytes(out)
+            size = memoryview(arg).nbytes
+            if size < _SEPARATE_ARG_BYTES:
+                small += b"$%d\r\n%s\r\n" % (size, arg)
+            else:
+                small += b"$%d\r\n" % size
+                chunks += [bytes(small), arg]
+                small = bytearray(b"\r\n")
+    chunks.append(bytes(small))
+    return chunks
