@@ -41,9 +41,9 @@ class CacheConfig(BaseModel):
     redis_timeout_s: float = Field(
         0.25,
         gt=0,
-        description="How long Redis may keep a reply waiting before the cache goes degraded. "
-        "Value reads time out only on that much silence; other commands (redis-py) per reply, "
-        "so it must exceed the transfer time of one max_value_bytes value (64 MiB ≈ 50 ms on loopback).",
+        description="How long Redis may stay silent while it owes a reply before the cache goes "
+        "degraded. Value transfers (GET/SET) time out only on that much silence; other commands, "
+        "all small, go through redis-py, whose timeout counts per reply.",
     )
     redis_pool_size: int = Field(
         16, ge=1, le=1024, description="Connections to Redis per FeatureCache (concurrent commands)."

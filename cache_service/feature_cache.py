@@ -291,23 +291,30 @@ class _Flight:
         claims = await self.l2.claim_many(keys, self.token, self.cache._lock_ttl_ms) if self.cache.redis_available else None
         if claims is None:
             return keys, []  # no Redis: nothing to coordinate with, compute here
-        compute_now, wait_for, corrupt, done = [], [], [], []
-        for key, (is_holder, value) in zip(keys, claims):
-            if is_holder:
-                self.locked.add(key)
+        held = {key for key, (is_holder, _) in zip(keys, claims) if is_holder}
+        self.locked |= held
+        # Values that another replica finished between our miss and the claim.
+        done = await self._take_values([key for key, (_, exists) in zip(keys, claims) if exists])
+        await self._release([k for k in done if k in held])
+        compute_now = [k for k in keys if k in held and k not in done]
+        wait_for = [k for k in keys if k not in held and k not in done]
+        return compute_now, wait_for
+
+    async def _take_values(self, keys: list[str]) -> set[str]:
+        """Read keys' values from Redis and resolve those found; returns the keys resolved."""
+        if not keys:
+            return set()
+        values = await self.l2.get_many(keys)
+        corrupt: list[str] = []
+        resolved = set()
+        for key, value in zip(keys, values or [None] * len(keys)):
             features = self.cache._accept_l2_value(key, value, corrupt)
             if features is not None:
-                # Another replica finished between our miss and the claim.
                 self.stats.l2_hits += 1
                 self._resolve(key, features, computed=False, shared=True)
-                done.append(key)
-            elif is_holder:
-                compute_now.append(key)
-            else:
-                wait_for.append(key)
+                resolved.add(key)
         await self.cache._delete_corrupt(corrupt)
-        await self._release([k for k in done if k in self.locked])
-        return compute_now, wait_for
+        return resolved
 
     async def _release(self, keys: list[str]) -> None:
         if keys:
@@ -348,16 +355,8 @@ class _Flight:
             ready = [k for k, (has_value, _) in zip(pending, states) if has_value]
             orphaned = [k for k, (has_value, has_lock) in zip(pending, states) if not has_value and not has_lock]
             if ready:
-                values = await self.l2.get_many(ready)
-                corrupt: list[str] = []
-                for key, value in zip(ready, values or [None] * len(ready)):
-                    features = self.cache._accept_l2_value(key, value, corrupt)
-                    if features is not None:
-                        self.stats.l2_hits += 1
-                        self._resolve(key, features, computed=False, shared=True)
-                    else:
-                        orphaned.append(key)  # evicted or corrupt since the poll
-                await self.cache._delete_corrupt(corrupt)
+                resolved = await self._take_values(ready)
+                orphaned += [k for k in ready if k not in resolved]  # evicted or corrupt since the poll
             if orphaned:
                 # The holder failed (released or lock expired) without a value: take over.
                 compute_now, _ = await self._claim(orphaned)

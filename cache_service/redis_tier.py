@@ -165,28 +165,26 @@ class RedisTier:
 
     # -- single-flight locks --------------------------------------------------
 
-    async def claim_many(
-        self, keys: Sequence[str], token: str, ttl_ms: int
-    ) -> list[tuple[bool, bytes | None]] | None:
-        """Try to lock each key for computing it; per key (we hold the lock, value if present).
+    async def claim_many(self, keys: Sequence[str], token: str, ttl_ms: int) -> list[tuple[bool, bool]] | None:
+        """Try to lock each key for computing it; per key (we hold the lock, value present).
 
-        The lock and the value are read in the same round trip, after the
-        SET NX: a replica that finished between our miss and this call has
-        already written its value (values are written before locks are
-        released), so we see it and do not compute again. Comparing the lock
-        to our token, rather than trusting SET's reply, keeps a retried
-        pipeline from mistaking our own lock for another's.
+        The value's presence is read in the same round trip, after the SET NX:
+        a replica that finished between our miss and this call has already
+        written its value (values are written before locks are released), so
+        we see it and do not compute again. Comparing the lock to our token,
+        rather than trusting SET's reply, keeps a retried pipeline from
+        mistaking our own lock for another's.
         """
 
-        async def command() -> list[tuple[bool, bytes | None]]:
+        async def command() -> list[tuple[bool, bool]]:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.set(lock_key(key), token, nx=True, px=ttl_ms)
                     pipe.get(lock_key(key))
-                    pipe.get(key)
+                    pipe.exists(key)
                 replies = await pipe.execute()
             owner = token.encode()
-            return [(replies[3 * i + 1] == owner, replies[3 * i + 2]) for i in range(len(keys))]
+            return [(replies[3 * i + 1] == owner, bool(replies[3 * i + 2])) for i in range(len(keys))]
 
         return await self._run("claim", command)
 

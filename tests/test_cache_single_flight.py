@@ -120,3 +120,19 @@ async def test_cancelled_owner_does_not_strand_joiners(make_cache, namespace, ra
     assert result.computed
     await cache.close()
     assert raw_redis.get(key + ":lock") is None
+
+
+async def test_value_written_between_miss_and_claim_is_used(make_cache, namespace, raw_redis):
+    key = content_key(FINGERPRINT, b"race", namespace)
+    await make_cache().put_many([(key, make_features(7))])
+    cache = make_cache()
+
+    async def stale_lookup(keys):  # the miss happened just before another replica's write
+        return [None] * len(keys)
+
+    cache._lookup = stale_lookup
+    compute = CountingCompute(delay=0.01)
+    [result] = await cache.get_or_compute_many([key], compute)
+    assert compute.calls == [] and not result.computed and result.shared
+    assert result.features.meta["seed"] == 7
+    assert raw_redis.exists(key + ":lock") == 0  # the lock taken by the claim was released
