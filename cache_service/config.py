@@ -46,7 +46,11 @@ class CacheConfig(BaseModel):
         "all small, go through redis-py, whose timeout counts per reply.",
     )
     redis_pool_size: int = Field(
-        16, ge=1, le=1024, description="Connections to Redis per FeatureCache (concurrent commands)."
+        16,
+        ge=1,
+        le=1024,
+        description="Concurrent Redis commands per FeatureCache; each of its two clients "
+        "(redis-py, and the value client of redis_bulk.py) keeps at most this many connections.",
     )
     lock_ttl_s: float = Field(
         30.0,

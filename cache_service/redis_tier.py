@@ -1,11 +1,12 @@
 """L2: Redis as the cluster-wide tier, with degraded mode when it is unreachable.
 
-Every method sends one pipeline (one round trip) for all the keys it is given,
-and returns None instead of raising when Redis cannot be used: the cache is an
-optimisation, so a Redis failure turns into a miss, never into a failed request.
+Every method handles all the keys it is given in pipelines (one round trip,
+or a few for large values: see redis_bulk.py), and returns None instead of
+raising when Redis cannot be used: the cache is an optimisation, so a Redis
+failure turns into a miss, never into a failed request.
 
-Degraded mode: a connection error or a reply slower than `redis_timeout_s`
-marks Redis unavailable. Then every method returns None at once (no waiting
+Degraded mode: a connection error, or Redis silent for `redis_timeout_s` while
+it owes a reply, marks Redis unavailable. Then every method returns None at once (no waiting
 on a dead server per request), one warning is logged, and a background task
 pings Redis with exponential backoff (`backoff_initial_s` doubling up to
 `backoff_max_s`) until it answers; the tier then becomes available again.
@@ -16,12 +17,13 @@ Redis settings a deployment should use, and why:
 - `maxmemory-policy allkeys-lru`: a full cache evicts the least recently used
   features. With the default `noeviction`, writes fail once memory is full
   (they are counted as l2_errors and the cache keeps working from L1, but
-  nothing new gets shared). `volatile-lru` also works since every entry has a
-  TTL, but then locks (also with TTL) compete equally; allkeys-lru is simpler.
+  nothing new gets shared). `volatile-lru` works too, since every entry (and
+  every single-flight lock) carries a TTL.
 - No persistence needed (`save ""`, `appendonly no`): every value can be
   recomputed, and fork-based snapshots of a large cache cost memory and latency.
 - `proto-max-bulk-len` (default 512 MB) must exceed `max_value_bytes`.
-- Redis >= 6.2 (`SET ... PX` with `NX`; tested on 7.0).
+- Any recent Redis (the commands used are GET, SET NX PX, EXISTS, STRLEN,
+  DEL, EVAL, PING); tested on 7.0.
 """
 
 from __future__ import annotations
@@ -158,10 +160,6 @@ class RedisTier:
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         await self._run("DEL", lambda: self._client.delete(*keys))
-
-    async def ttl_ms(self, key: str) -> int | None:
-        """Remaining time to live (PTTL): -1 without expiry, -2 when absent."""
-        return await self._run("PTTL", lambda: self._client.pttl(key))
 
     # -- single-flight locks --------------------------------------------------
 
