@@ -60,6 +60,10 @@ class LLMDecode:
                 return
 
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        error = self._check_length(prompt, features, request.sampling.max_tokens)
+        if error:
+            yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
+            return
         engine_prompt: dict = {"prompt": prompt}
         if keys:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
@@ -86,6 +90,24 @@ class LLMDecode:
         except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt", "param": "messages"})
 
+    def _check_length(self, prompt: str, features: list, max_tokens: int | None) -> str | None:
+        """vLLM would silently cut max_tokens; OpenAI (and `vllm serve`) answer 400 instead."""
+        # Each image's single placeholder token expands to its feature tokens.
+        n_prompt = len(self.processor.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        n_prompt += sum(int(f.meta["num_tokens"]) - 1 for f in features)
+        wanted = n_prompt + (max_tokens or 1)
+        if wanted > self.max_model_len:
+            return (f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{wanted} tokens ({n_prompt} in the messages, {max_tokens or 1} in the completion). "
+                    "Please reduce the length of the messages or completion.")
+        return None
+
     def check_health(self) -> None:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine is dead: {self.engine.dead_error}")
+
+    def __del__(self):
+        # Serve calls this on graceful shutdown; without it vLLM's engine processes outlive the replica.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,5 +1,5 @@
-"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run) and
-plain-vLLM reference outputs, each computed once and shared by all tests."""
+"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run),
+plain-vLLM reference outputs, and one Ray cluster with Serve for the app tests."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.images import REFERENCE_TEXT
+
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("llava", "qwen2_vl")
-REFERENCE_TEXT = "Describe this picture in detail, please. " * 5  # > one 128-token KV block with the image
 
 
 def pytest_configure(config):
@@ -64,3 +64,21 @@ def vllm_reference(tiny_checkpoint, image_files, tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def serve_instance():
+    """Ray with logical CPUs above the physical two, and Serve's proxy on a free port."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()

@@ -8,6 +8,10 @@ import io
 import numpy as np
 from PIL import Image
 
+# The user text sent with each image: with the image it spans more than one
+# 128-token KV block (vLLM's CPU block size), so prefix-cache hits are visible.
+REFERENCE_TEXT = "Describe this picture in detail, please. " * 5
+
 # (width, height, seed): square, wide and tall.
 SIZES = {"square": (56, 56, 1), "wide": (120, 64, 2), "tall": (40, 90, 3)}
 

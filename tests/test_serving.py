@@ -1,0 +1,261 @@
+"""The Iris app over real HTTP: started with serve.run on CPU with the tiny
+checkpoints, real Redis, real vLLM. One app per family, shared by all tests."""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from ray import serve
+
+from tests.support.images import REFERENCE_TEXT, SIZES, data_url, png_bytes
+
+FAMILIES = ["llava", "qwen2_vl"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def app(request, serve_instance, tiny_checkpoint):
+    """(family, base URL, app name); the previous family's app is deleted first."""
+    from deployments.app import build_app
+
+    family = request.param
+    name = f"iris-{family}"
+    namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
+    args = {
+        "model": tiny_checkpoint(family),
+        "served_model_name": f"tiny-{family}",
+        "max_images_per_prompt": 2,
+        "engine_args": {"max_model_len": 2048},
+        "cache": {"namespace": namespace, "ttl_s": 3600},
+        "media": {"max_image_bytes": 200_000},
+    }
+    application = build_app(args)
+    serve.run(application, name=name, route_prefix=f"/{family}")
+    yield family, f"{serve_instance}/{family}", name
+    serve.delete(name)
+    _delete_namespace(namespace)
+
+
+def _delete_namespace(namespace: str) -> None:
+    """Remove this run's keys from the shared Redis (never FLUSHDB)."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+def _stats(app_name: str, deployment: str) -> dict:
+    return serve.get_deployment_handle(deployment, app_name=app_name).stats.remote().result()
+
+
+def _work_counts(app_name: str) -> tuple[int, int]:
+    return (_stats(app_name, "Preprocess")["images_preprocessed"], _stats(app_name, "VisionEncoder")["images_encoded"])
+
+
+def _unique_png(seed: int | None = None, size=(64, 48)) -> bytes:
+    rng = np.random.default_rng(seed if seed is not None else uuid.uuid4().int % 2**32)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _image_part(url: str | None, uid: str | None = None) -> dict:
+    part = {"type": "image_url", "image_url": {"url": url} if url else None}
+    if uid is not None:
+        part["uuid"] = uid
+    return part
+
+
+def _chat(base: str, parts: list[dict], *, tenant: str | None = None, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+    headers = {"X-Iris-Tenant": tenant} if tenant else {}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def test_pipeline_output_equals_plain_vllm(app, vllm_reference):
+    family, base, _ = app
+    reference = vllm_reference(family)
+    for name in SIZES:
+        r = _chat(base, [_image_part(data_url(png_bytes(name)))], max_tokens=16)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == reference[name]["pixel_text"], (family, name)
+        assert body["usage"]["completion_tokens"] == len(reference[name]["pixel_tokens"])
+        assert body["usage"]["prompt_tokens"] == reference[name]["prompt_tokens"]
+
+
+def test_same_bytes_skip_preprocess_and_encoder_and_hit_prefix_cache(app):
+    _, base, name = app
+    url = data_url(_unique_png())
+    before = _work_counts(name)
+    first = _chat(base, [_image_part(url)])
+    assert first.status_code == 200, first.text
+    assert first.headers["x-iris-images"] == "cached=0,computed=1"
+    after_first = _work_counts(name)
+    assert after_first == (before[0] + 1, before[1] + 1)
+
+    second = _chat(base, [_image_part(url)])
+    assert second.status_code == 200, second.text
+    assert second.headers["x-iris-images"] == "cached=1,computed=0"
+    assert _work_counts(name) == after_first  # neither Preprocess nor VisionEncoder ran
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+
+def test_uuid_and_upload_free(app):
+    _, base, name = app
+    uid = f"sku-{uuid.uuid4().hex}"
+    url = data_url(_unique_png())
+    before = _work_counts(name)
+    first = _chat(base, [_image_part(url, uid)])
+    assert first.status_code == 200, first.text
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+
+    # The same uuid with the bytes again: cached by uuid, no work.
+    again = _chat(base, [_image_part(url, uid)])
+    assert again.headers["x-iris-images"] == "cached=1,computed=0"
+    # Upload-free: the uuid alone.
+    free = _chat(base, [_image_part(None, uid)])
+    assert free.status_code == 200, free.text
+    assert free.headers["x-iris-images"] == "cached=1,computed=0"
+    assert free.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert free.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+
+
+def test_upload_free_miss_is_409_and_computes_nothing(app):
+    _, base, name = app
+    before = _work_counts(name)
+    known = f"known-{uuid.uuid4().hex}"
+    assert _chat(base, [_image_part(data_url(_unique_png()), known)]).status_code == 200
+    r = _chat(base, [_image_part(None, known), _image_part(None, f"never-sent-{uuid.uuid4().hex}")])
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["code"] == "mm_cache_miss"
+    assert error["missing"] == [1]
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)  # only the first, successful request worked
+
+
+def test_tenants_do_not_share_uuids(app):
+    _, base, name = app
+    uid = f"shared-id-{uuid.uuid4().hex}"
+    url_a = data_url(_unique_png())
+    assert _chat(base, [_image_part(url_a, uid)], tenant="tenant-a").status_code == 200
+    assert _chat(base, [_image_part(None, uid)], tenant="tenant-a").status_code == 200
+    # Tenant B guessing the id gets a miss, never A's features.
+    r = _chat(base, [_image_part(None, uid)], tenant="tenant-b")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "mm_cache_miss"
+    # With its own bytes under the same id, B's image is computed, not served from A's entry.
+    before = _work_counts(name)
+    r = _chat(base, [_image_part(data_url(_unique_png()), uid)], tenant="tenant-b")
+    assert r.status_code == 200 and r.headers["x-iris-images"] == "cached=0,computed=1"
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+
+
+def test_content_keys_are_shared_across_tenants(app):
+    _, base, _ = app
+    url = data_url(_unique_png())
+    assert _chat(base, [_image_part(url)], tenant="tenant-a").headers["x-iris-images"] == "cached=0,computed=1"
+    assert _chat(base, [_image_part(url)], tenant="tenant-b").headers["x-iris-images"] == "cached=1,computed=0"
+
+
+def test_same_image_twice_in_one_request_is_encoded_once(app):
+    _, base, name = app
+    url = data_url(_unique_png())
+    before = _work_counts(name)
+    r = _chat(base, [_image_part(url), _image_part(url)])
+    assert r.status_code == 200, r.text
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+
+
+def test_openai_client_streaming_and_not(app):
+    from openai import OpenAI
+
+    family, base, _ = app
+    client = OpenAI(base_url=f"{base}/v1", api_key="test-key")
+    assert [m.id for m in client.models.list()] == [f"tiny-{family}"]
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes("tall"))}},
+        {"type": "text", "text": REFERENCE_TEXT}]}]
+    full = client.chat.completions.create(model=f"tiny-{family}", messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model=f"tiny-{family}", messages=messages, max_tokens=12,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_raw_sse_ends_with_done(app):
+    _, base, _ = app
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) >= 3
+
+
+BAD_REQUESTS = {
+    "invalid base64": ([_image_part("data:image/png;base64,!!!not-base64!!!")], 400, "invalid_image"),
+    "non-image bytes": ([_image_part(data_url(b"this is plain text, not an image"))], 400, "invalid_image"),
+    "too many images": ([_image_part(data_url(png_bytes("square")))] * 3, 400, "too_many_images"),
+    "too large image": ([_image_part(data_url(b"\x89PNG" + b"\0" * 300_000))], 400, "image_too_large"),
+    "part without url or uuid": ([{"type": "image_url"}], 400, None),
+    "unsupported scheme": ([_image_part("file:///etc/passwd")], 400, "invalid_image_url"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_a_4xx_in_openai_shape(app, case):
+    _, base, _ = app
+    parts, status, code = BAD_REQUESTS[case]
+    r = _chat(base, parts)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if code:
+        assert error["code"] == code
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json", b"[1, 2]", b'{"messages": []}', b'{"max_tokens": 5}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "five"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}',
+])
+def test_malformed_bodies_are_400(app, body):
+    _, base, _ = app
+    r = httpx.post(f"{base}/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(app):
+    _, base, _ = app
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                   json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_replicas_survive_bad_input(app):
+    """After all the bad requests above, the app still answers and no replica restarted."""
+    _, base, name = app
+    assert httpx.get(f"{base}/health", timeout=30).json()["status"] == "ok"
+    r = _chat(base, [_image_part(data_url(png_bytes("square")))])
+    assert r.status_code == 200, r.text
+    status = serve.status().applications[name]
+    assert status.status == "RUNNING"
+    assert all(d.status == "HEALTHY" for d in status.deployments.values())
