@@ -1,0 +1,108 @@
+"""How long one image takes through each stage, on this machine, for the `bench`
+built-in checkpoints (ViT-B/16-sized vision towers, small language model):
+
+- preprocess: decode + resize + normalise (CPU, the family's image processor)
+- vision:     vision tower + projector, one image (Iris's VisionEncoder work)
+- prefill:    vLLM prefill of the prompt with the image given as embeddings
+              (max_tokens=1, prefix caching off): the language model's share
+- vllm_pixels: vLLM's own pixel path for the same request (all of the above inside vLLM)
+
+    .venv/bin/python bench/vision_vs_prefill.py [--repeats 10]
+
+Prints a table and writes bench/results/vision_vs_prefill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def bench_family(family: str, repeats: int) -> dict:
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+
+    from pipeline.families import adapter_for
+    from pipeline.models.source import resolve_model
+
+    checkpoint = resolve_model(f"builtin:bench-{family.replace('_', '-')}")
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8))  # a 640x480 photo-sized input
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    jpeg = buf.getvalue()
+
+    adapter = adapter_for(checkpoint)
+    adapter.load_vision()
+
+    def preprocess():
+        return adapter.preprocess(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+
+    pixels = preprocess()
+    result = {
+        "checkpoint": checkpoint,
+        "visual_tokens": pixels.num_tokens,
+        "vision_params_m": round(sum(p.numel() for p in adapter.vision.parameters()) / 1e6, 1),
+        "preprocess_ms": _median_ms(preprocess, repeats),
+        "vision_ms": _median_ms(lambda: adapter.encode([pixels]), repeats),
+    }
+    features = adapter.encode([pixels])
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    llm = LLM(checkpoint, dtype=str(adapter.vision_dtype).removeprefix("torch."), enable_mm_embeds=True,
+              enable_prefix_caching=False, max_model_len=2048, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    embeds = {"prompt": prompt, "multi_modal_data": {"image": adapter.vllm_image_data(features)}}
+    pixel_request = {"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(jpeg)).convert("RGB")}}
+    result["prefill_ms"] = _median_ms(lambda: llm.generate(embeds, params, use_tqdm=False), repeats)
+    result["vllm_pixels_ms"] = _median_ms(lambda: llm.generate(pixel_request, params, use_tqdm=False), repeats)
+    result["prompt_tokens"] = len(llm.generate(embeds, params, use_tqdm=False)[0].prompt_token_ids)
+    result["vision_over_prefill"] = result["vision_ms"] / result["prefill_ms"]
+    del llm
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--families", nargs="+", default=["llava", "qwen2_vl"])
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results = {family: bench_family(family, args.repeats) for family in args.families}
+    print(f"{'family':10} {'tokens':>6} {'ViT M':>6} {'preproc ms':>10} {'vision ms':>9} {'prefill ms':>10} "
+          f"{'vLLM pixels ms':>14} {'vision/prefill':>14}")
+    for family, r in results.items():
+        print(f"{family:10} {r['visual_tokens']:>6} {r['vision_params_m']:>6} {r['preprocess_ms']:>10.1f} "
+              f"{r['vision_ms']:>9.1f} {r['prefill_ms']:>10.1f} {r['vllm_pixels_ms']:>14.1f} "
+              f"{r['vision_over_prefill']:>14.1f}")
+    out = ROOT / "bench" / "results" / "vision_vs_prefill.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", "repeats": args.repeats, "results": results},
+                              indent=2))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
