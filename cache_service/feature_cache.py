@@ -69,6 +69,10 @@ class FeatureCache:
     def redis_available(self) -> bool:
         return self._l2 is not None and self._l2.available
 
+    async def ping(self) -> bool:
+        """True when Redis answers now (a failure starts degraded mode, like any command)."""
+        return self._l2 is not None and await self._l2.ping()
+
     def stats(self) -> dict[str, int | float]:
         self._stats.l1_evictions = self._l1.evictions
         snapshot = self._stats.snapshot()

@@ -158,6 +158,9 @@ class RedisTier:
 
         return await self._run("EXISTS", command)
 
+    async def ping(self) -> bool:
+        return bool(await self._run("PING", self._client.ping))
+
     async def delete_many(self, keys: Sequence[str]) -> None:
         await self._run("DEL", lambda: self._client.delete(*keys))
 

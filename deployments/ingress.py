@@ -107,7 +107,7 @@ class Ingress:
     # --- routes ---------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
-        return {"status": "ok", "redis": self.cache.redis_available}
+        return {"status": "ok", "redis": await self.cache.ping()}
 
     @app.get("/v1/models")
     async def models(self) -> dict:

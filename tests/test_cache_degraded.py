@@ -109,3 +109,17 @@ async def test_full_redis_fails_writes_without_degrading(make_cache, namespace, 
         assert len([r for r in caplog.records if "maxmemory" in r.getMessage()]) == 1  # rate-limited
     finally:
         server.kill()
+
+
+async def test_ping_reports_reachability():
+    from cache_service.config import CacheConfig
+    from cache_service.feature_cache import FeatureCache
+    from tests.cache_fixtures import free_port
+
+    down = FeatureCache(CacheConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    assert await down.ping() is False
+    assert down.stats()["degraded"] == 1
+    await down.close()
+    up = FeatureCache(CacheConfig())
+    assert await up.ping() is True
+    await up.close()

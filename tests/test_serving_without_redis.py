@@ -1,0 +1,62 @@
+"""The cache is an optimisation, never a dependency: with no Redis reachable the
+app starts, answers correctly (features travel inline), and says it is degraded."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+
+
+@pytest.fixture(scope="module")
+def app_without_redis(serve_instance, tiny_checkpoint):
+    from deployments.app import build_app
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    args = {
+        "model": tiny_checkpoint("llava"),
+        "engine_args": {"max_model_len": 2048},
+        "cache": {"redis_url": f"redis://127.0.0.1:{dead_port}/0", "namespace": "iris-test-noredis"},
+    }
+    serve.run(build_app(args), name="iris-noredis", route_prefix="/noredis")
+    yield f"{serve_instance}/noredis", "iris-noredis"
+    serve.delete("iris-noredis")
+
+
+def _ask(base: str, url: str | None, uid: str | None = None) -> httpx.Response:
+    part = {"type": "image_url", "image_url": {"url": url} if url else None}
+    if uid:
+        part["uuid"] = uid
+    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+            "max_tokens": 16, "temperature": 0}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_serves_correctly_without_redis(app_without_redis, vllm_reference):
+    base, name = app_without_redis
+    assert httpx.get(f"{base}/health", timeout=30).json() == {"status": "ok", "redis": False}
+    reference = vllm_reference("llava")["wide"]
+    first = _ask(base, data_url(png_bytes("wide")), uid="photo-1")
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"]["content"] == reference["pixel_text"]
+
+    encoder = serve.get_deployment_handle("VisionEncoder", app_name=name)
+    encoded = encoder.stats.remote().result()["images_encoded"]
+    again = _ask(base, data_url(png_bytes("wide")), uid="photo-1")
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"] == reference["pixel_text"]
+    # The encoder's own in-process tier still saves the vision forward pass.
+    assert encoder.stats.remote().result()["images_encoded"] == encoded
+
+
+def test_upload_free_without_redis_is_a_clean_409(app_without_redis):
+    base, _ = app_without_redis
+    r = _ask(base, None, uid="photo-1")
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "mm_cache_miss" and r.json()["error"]["missing"] == [0]
