@@ -259,3 +259,27 @@ def test_replicas_survive_bad_input(app):
     status = serve.status().applications[name]
     assert status.status == "RUNNING"
     assert all(d.status == "HEALTHY" for d in status.deployments.values())
+
+
+def test_prometheus_metrics_are_exported(app):
+    """Iris's metrics reach Ray's Prometheus endpoint (exported every few seconds)."""
+    import time
+
+    import ray
+
+    _, base, _ = app
+    url = data_url(_unique_png())
+    for _ in range(2):  # the second one hits the feature cache and vLLM's prefix cache
+        assert _chat(base, [_image_part(url)]).status_code == 200
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = ["iris_requests", "iris_ttft_seconds", "iris_images", "iris_feature_cache_events",
+              "iris_preprocess_seconds", "iris_encoder_batch_size", "iris_vllm_prefix_cache_hit_tokens"]
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"metrics not exported: {missing}"
+    assert 'outcome="ok"' in text
