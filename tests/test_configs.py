@@ -1,0 +1,61 @@
+"""The shipped configs are valid Serve configs whose args IrisConfig accepts, and
+bad args stop start-up with a message naming the field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import IrisConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS = {"Ingress", "Preprocess", "VisionEncoder", "LLMDecode"}
+
+
+def _serve_configs() -> dict[str, dict]:
+    rayservice = yaml.safe_load((ROOT / "cluster/rayservice.yaml").read_text())
+    return {
+        "serve_config.yaml": yaml.safe_load((ROOT / "serve_config.yaml").read_text()),
+        "cluster/rayservice.yaml": yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_serve_configs()))
+def test_shipped_serve_configs_are_valid(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    config = _serve_configs()[name]
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    IrisConfig.model_validate(app.args)
+    assert {d.name for d in app.deployments} == DEPLOYMENTS
+    for d in app.deployments:  # each stage sized and scaled on its own
+        assert d.ray_actor_options and d.max_ongoing_requests and d.autoscaling_config, d.name
+
+
+def test_default_serve_config_fits_two_cpus():
+    """`serve run` on the 2-core machine declares 2 logical CPUs: all replicas at max scale must fit."""
+    app = _serve_configs()["serve_config.yaml"]["applications"][0]
+    total = sum(d["ray_actor_options"]["num_cpus"] * d["autoscaling_config"]["max_replicas"]
+                for d in app["deployments"])
+    assert total <= 2
+    assert all(d["ray_actor_options"].get("num_gpus", 0) == 0 for d in app["deployments"])
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"max_images_per_prompt": 0}, "max_images_per_prompt"),
+    ({"cache": {"ttl_s": -1}}, "cache.ttl_s"),
+    ({"engine_args": {"no_such_arg": 1}}, "no_such_arg"),
+    ({"engine_args": {"enable_prefix_caching": False}}, "enable_prefix_caching"),
+    ({"engine_args": {"dtype": "float16"}}, "dtype"),
+    ({"media": {"max_image_bytes": "lots"}}, "media.max_image_bytes"),
+    ({"modle": "typo"}, "modle"),
+])
+def test_bad_args_name_the_field(args, field):
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match="invalid Iris application args") as err:
+        build_app(args)
+    assert field in str(err.value)
