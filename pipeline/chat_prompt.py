@@ -5,13 +5,16 @@ from __future__ import annotations
 from pipeline.chat_request import ImagePlaceholder, ParsedChat
 
 
-def template_messages(chat: ParsedChat, image_part: dict) -> list[dict]:
-    """HF chat-template messages; each image becomes `image_part` (the family's
-    placeholder), so the template places the image tokens where the client put the image."""
+# Hugging Face chat templates (LLaVA, Qwen2-VL, ...) render this part as the model's image placeholder.
+IMAGE_PART = {"type": "image"}
+
+
+def template_messages(chat: ParsedChat) -> list[dict]:
+    """HF chat-template messages, with each image where the client put it."""
     out = []
     for message in chat.messages:
         content = [
-            dict(image_part) if isinstance(part, ImagePlaceholder) else {"type": "text", "text": part.text}
+            dict(IMAGE_PART) if isinstance(part, ImagePlaceholder) else {"type": "text", "text": part.text}
             for part in message.parts
         ]
         out.append({"role": message.role, "content": content})

@@ -283,3 +283,11 @@ def test_prometheus_metrics_are_exported(app):
         time.sleep(2)
     assert not missing, f"metrics not exported: {missing}"
     assert 'outcome="ok"' in text
+
+
+def test_oversized_body_is_413_without_reading_it_all(app):
+    _, base, _ = app
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 3_000_000 + b'"}]}'
+    r = httpx.post(f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

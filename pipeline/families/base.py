@@ -4,8 +4,7 @@ The generic flow (preprocess -> encode -> cache -> vLLM) only talks to a
 `FamilyAdapter`; it never asks which model it serves. An adapter knows:
 - how its image processor turns a decoded image into pixel tensors,
 - how its vision tower + projector turn a batch of those into per-image features,
-- how to pack cached features into vLLM's `multi_modal_data["image"]`,
-- the chat-template content part that stands for one image.
+- how to pack cached features into vLLM's `multi_modal_data["image"]`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from PIL import Image
 
 from cache_service.codec import Features
-from pipeline.models.weights import local_checkpoint
+from pipeline.models.weights import load_prefixed, local_checkpoint
 
 
 @dataclass
@@ -55,9 +54,18 @@ class FamilyAdapter(ABC):
         """Resize/normalise one RGB image into the vision tower's input."""
 
     # --- vision encoding (GPU in production) ----------------------------------
+    # Checkpoint weight-name prefix -> prefix in the vision module (longest match wins).
+    vision_weight_prefixes: dict[str, str] = {}
+
     @abstractmethod
+    def build_vision(self) -> torch.nn.Module:
+        """The vision tower + projector module, without weights."""
+
     def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
-        """Load only the vision tower and projector weights."""
+        """Load only the vision tower and projector weights (never the language model)."""
+        module = self.build_vision()
+        module.load_state_dict(load_prefixed(self.checkpoint, self.vision_weight_prefixes), strict=True)
+        self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
 
     @abstractmethod
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
@@ -81,5 +89,3 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def vllm_image_data(self, features: list[Features]) -> Any:
         """`multi_modal_data["image"]` for these features, in prompt order."""
-
-    image_content_part: dict = {"type": "image"}

@@ -7,7 +7,6 @@ from PIL import Image
 
 from cache_service.codec import Features
 from pipeline.families.base import FamilyAdapter, PixelInputs
-from pipeline.models.weights import load_prefixed
 
 
 class LlavaVision(torch.nn.Module):
@@ -44,17 +43,16 @@ class LlavaAdapter(FamilyAdapter):
             num_tokens += 1
         return PixelInputs({"pixel_values": pixel_values[0]}, num_tokens)
 
-    def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
-        module = LlavaVision(self.config)
-        # Hub layout is `vision_tower.vision_model.*`; transformers 5's CLIPVisionModel has no `vision_model`.
-        state = load_prefixed(self.checkpoint, {
-            "model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
-            "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-            "model.multi_modal_projector.": "multi_modal_projector.",
-            "multi_modal_projector.": "multi_modal_projector.",
-        })
-        module.load_state_dict(state, strict=True)
-        self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
+    # Hub layout is `vision_tower.vision_model.*`; transformers 5's CLIPVisionModel has no `vision_model`.
+    vision_weight_prefixes = {
+        "model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+        "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        "multi_modal_projector.": "multi_modal_projector.",
+    }
+
+    def build_vision(self) -> torch.nn.Module:
+        return LlavaVision(self.config)
 
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:

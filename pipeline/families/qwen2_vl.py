@@ -8,7 +8,6 @@ from PIL import Image
 
 from cache_service.codec import Features
 from pipeline.families.base import FamilyAdapter, PixelInputs
-from pipeline.models.weights import load_prefixed
 
 
 class Qwen2VLAdapter(FamilyAdapter):
@@ -24,7 +23,9 @@ class Qwen2VLAdapter(FamilyAdapter):
         num_tokens = int(grid.prod()) // (self.merge_size ** 2)
         return PixelInputs({"pixel_values": out["pixel_values"], "image_grid_thw": grid}, num_tokens)
 
-    def _vision_module(self) -> torch.nn.Module:
+    vision_weight_prefixes = {"model.visual.": "", "visual.": ""}
+
+    def build_vision(self) -> torch.nn.Module:
         if self.config["model_type"] == "qwen2_5_vl":
             from transformers import Qwen2_5_VLConfig
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -35,12 +36,6 @@ class Qwen2VLAdapter(FamilyAdapter):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Vision
 
         return Vision(Qwen2VLConfig(**self.config).vision_config)
-
-    def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
-        module = self._vision_module()
-        state = load_prefixed(self.checkpoint, {"model.visual.": "", "visual.": ""})
-        module.load_state_dict(state, strict=True)
-        self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
 
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
