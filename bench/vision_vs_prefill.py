@@ -94,7 +94,7 @@ def bench_family(family: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--families", nargs="+", default=["llava", "qwen2_vl"])
+    parser.add_argument("--families", nargs="+", default=["llava", "qwen2_vl", "qwen2_5_vl"])
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     results = {family: bench_family(family, args.repeats) for family in args.families}

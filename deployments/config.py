@@ -22,7 +22,7 @@ class IrisConfig(BaseModel):
 
     model: str = Field(
         "builtin:tiny-llava",
-        description="builtin:<tiny|bench>-<llava|qwen2-vl>, a local checkpoint folder, or a hub id.",
+        description="builtin:<tiny|bench>-<llava|qwen2-vl|qwen2-5-vl>, a local checkpoint folder, or a hub id.",
     )
     served_model_name: str | None = Field(
         None, description="Name clients pass as `model` and /v1/models lists; defaults to `model`."

@@ -12,7 +12,7 @@ from pipeline.models.builtin import build_checkpoint
 from pipeline.models.source import resolve_model
 from tests.support.images import SIZES, make_image
 
-FAMILIES = ["llava", "qwen2_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -54,7 +54,7 @@ def test_transformers_loads_and_runs(family, tiny_checkpoint):
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     # The processor expanded the single image placeholder into the vision tokens.
-    image_token = model.config.image_token_id if family == "qwen2_vl" else model.config.image_token_index
+    image_token = model.config.image_token_index if family == "llava" else model.config.image_token_id
     assert int((inputs["input_ids"] == image_token).sum()) > 1
 
 

@@ -14,7 +14,7 @@ from ray import serve
 
 from tests.support.images import REFERENCE_TEXT, SIZES, data_url, png_bytes
 
-FAMILIES = ["llava", "qwen2_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

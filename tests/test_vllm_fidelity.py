@@ -5,7 +5,7 @@ import pytest
 
 from tests.support.images import SIZES
 
-FAMILIES = ["llava", "qwen2_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

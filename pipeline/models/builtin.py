@@ -1,6 +1,6 @@
 """Built-in random-weight VLM checkpoints, made locally (no model hub).
 
-    python -m pipeline.models.builtin --family llava|qwen2_vl --size tiny|bench --out DIR
+    python -m pipeline.models.builtin --family llava|qwen2_vl|qwen2_5_vl --size tiny|bench --out DIR
 
 writes a Hugging Face hub-layout checkpoint (config, safetensors weights, a
 byte-level BPE tokenizer, image processor, processor, chat template) that both
@@ -9,7 +9,7 @@ give the same checkpoint.
 
 - `tiny`: hidden size 128, 2 layers, small images; for tests.
 - `bench`: a realistically sized vision tower (CLIP ViT-B/16 at 224 px for
-  LLaVA, a ViT-B-sized tower at 224 px for Qwen2-VL) in front of a small
+  LLaVA, a ViT-B-sized tower at 224 px for Qwen2-VL and Qwen2.5-VL) in front of a small
   language model, so vision work dominates time as in real deployments.
 """
 
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILIES = ("llava", "qwen2_vl")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
 SIZES = ("tiny", "bench")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
@@ -81,6 +81,8 @@ SPECS = {
     ("llava", "bench"): Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
     ("qwen2_vl", "tiny"): Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
     ("qwen2_vl", "bench"): Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
+    ("qwen2_5_vl", "tiny"): Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+    ("qwen2_5_vl", "bench"): Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
 }
 
 # Random weights drawn with the usual 0.02 std give near-uniform logits, so greedy
@@ -149,9 +151,14 @@ def _build_llava(spec: Spec):
     return model, processor, tokenizer
 
 
-def _build_qwen2_vl(spec: Spec):
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+def _build_qwen2_vl(spec: Spec, v2_5: bool = False):
+    """Qwen2-VL, or with `v2_5` Qwen2.5-VL (windowed-attention ViT with RMSNorm and SwiGLU)."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    prefix = "Qwen2_5_VL" if v2_5 else "Qwen2VL"
+    config_cls, model_cls, processor_cls = (getattr(transformers, prefix + name) for name in
+                                            ("Config", "ForConditionalGeneration", "Processor"))
 
     tokenizer = _byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL}
@@ -166,13 +173,22 @@ def _build_qwen2_vl(spec: Spec):
         initializer_range=INIT_RANGE, tie_word_embeddings=False,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
-    vision = dict(
-        depth=spec.vision_layers, embed_dim=spec.vision_hidden, hidden_size=spec.text_hidden,
-        num_heads=spec.vision_heads, mlp_ratio=4, patch_size=spec.patch_size,
-        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, in_chans=3,
-        initializer_range=INIT_RANGE,
-    )
-    config = Qwen2VLConfig(
+    if v2_5:
+        vision = dict(
+            depth=spec.vision_layers, hidden_size=spec.vision_hidden, out_hidden_size=spec.text_hidden,
+            intermediate_size=4 * spec.vision_hidden, num_heads=spec.vision_heads, hidden_act="silu",
+            patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+            window_size=2 * 2 * spec.patch_size * 2, fullatt_block_indexes=[spec.vision_layers - 1],
+            tokens_per_second=2, initializer_range=INIT_RANGE,
+        )
+    else:
+        vision = dict(
+            depth=spec.vision_layers, embed_dim=spec.vision_hidden, hidden_size=spec.text_hidden,
+            num_heads=spec.vision_heads, mlp_ratio=4, patch_size=spec.patch_size,
+            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, in_chans=3,
+            initializer_range=INIT_RANGE,
+        )
+    config = config_cls(
         text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -186,11 +202,11 @@ def _build_qwen2_vl(spec: Spec):
         patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2,
     )
     video_processor = Qwen2VLVideoProcessor(patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2)
-    processor = Qwen2VLProcessor(
+    processor = processor_cls(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_cls(config)
     return model, processor, tokenizer
 
 
@@ -221,8 +237,10 @@ def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    build = _build_llava if family == "llava" else _build_qwen2_vl
-    model, processor, tokenizer = build(spec)
+    if family == "llava":
+        model, processor, tokenizer = _build_llava(spec)
+    else:
+        model, processor, tokenizer = _build_qwen2_vl(spec, v2_5=family == "qwen2_5_vl")
     dtype = getattr(torch, spec.dtype)
     model = model.to(dtype).eval()
     model.config.dtype = spec.dtype
