@@ -11,6 +11,7 @@ import time
 
 import torch
 from ray import serve
+from ray.serve import metrics
 
 from cache_service.feature_cache import FeatureCache
 from deployments.config import IrisConfig
@@ -38,7 +39,8 @@ class VisionEncoder:
         self.cache_metrics = CacheMetrics(self.cache)
         self._forward.set_max_batch_size(config.encoder_batch_size)
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
-        self.batch_size = latency_histogram("iris_encoder_batch_size", "Images per vision-encoder forward pass")
+        self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
+                                            "forward pass", boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
         self.batch_seconds = latency_histogram("iris_encoder_batch_seconds", "Seconds per vision-encoder forward pass")
         self.images_encoded = 0
         self.batches = 0
@@ -56,7 +58,7 @@ class VisionEncoder:
         self.cache_metrics.export()
         send = inline or not result.shared
         return EncodedImage(index=-1, key=key, num_tokens=int(result.features.meta.get("num_tokens", pixels.num_tokens)),
-                            features=result.features.cpu() if send else None, computed=result.computed)
+                            features=result.features.cpu() if send else None)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _forward(self, batch: list[PixelInputs]):

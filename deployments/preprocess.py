@@ -11,7 +11,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import IrisConfig
 from deployments.metrics import latency_histogram
-from pipeline.errors import IrisError
+from pipeline.errors import IrisError, bad_request
 from pipeline.families import adapter_for
 from pipeline.media import decode_image
 from pipeline.models.source import resolve_model
@@ -28,9 +28,13 @@ class Preprocess:
         self.images_preprocessed = 0
 
     def _pixels(self, job: ImageJob):
-        param = f"messages.image[{job.index}]"
+        param = f"image[{job.index}]"
         image = decode_image(job.data, self.limits, param=param)
-        return self.adapter.preprocess(image)
+        try:
+            return self.adapter.preprocess(image)
+        except ValueError as err:  # e.g. Qwen2-VL refuses aspect ratios above 200
+            raise bad_request(f"image cannot be preprocessed for this model: {err}", param=param,
+                              code="invalid_image") from err
 
     async def _one(self, job: ImageJob, inline: bool) -> EncodedImage:
         start = time.perf_counter()

@@ -31,7 +31,6 @@ class EncodedImage:
     key: str
     num_tokens: int
     features: Features | None = None  # set only when not retrievable from the cache
-    computed: bool = False  # this request ran the vision encoder for it
 
 
 @dataclass

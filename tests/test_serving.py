@@ -229,6 +229,19 @@ def test_bad_input_is_a_4xx_in_openai_shape(app, case):
         assert error["code"] == code
 
 
+def test_image_the_model_cannot_take_is_400(app):
+    """Qwen2-VL's processor refuses aspect ratios above 200; LLaVA crops any image to a square."""
+    family, base, _ = app
+    buf = io.BytesIO()
+    Image.new("RGB", (600, 2), (10, 200, 30)).save(buf, format="PNG")
+    r = _chat(base, [_image_part(data_url(buf.getvalue()))])
+    if family == "llava":
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_image" and "aspect ratio" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body", [
     b"{not json", b"[1, 2]", b'{"messages": []}', b'{"max_tokens": 5}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "five"}',
