@@ -83,7 +83,8 @@ class LLMDecode:
                     chunk.prompt_tokens = len(out.prompt_token_ids or [])
                     chunk.completion_tokens = completion_tokens
                     chunk.cached_tokens = out.num_cached_tokens or 0
-                    self.prompt_tokens.inc(max(chunk.prompt_tokens, 1))
+                    if chunk.prompt_tokens:
+                        self.prompt_tokens.inc(chunk.prompt_tokens)
                     if chunk.cached_tokens:
                         self.prefix_hit_tokens.inc(chunk.cached_tokens)
                 yield chunk

@@ -239,6 +239,8 @@ class Ingress:
     async def _collect(self, request_id, chunks, headers):
         text, finish, usage = [], None, openai_format.Usage()
         async for c in chunks:
+            if c.error:
+                return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
             text.append(c.text)
             finish = c.finish_reason or finish
             if c.finish_reason:
@@ -252,14 +254,19 @@ class Ingress:
         yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""})
         try:
             async for c in chunks:
+                if c.error:  # the engine rejected the request after the stream started
+                    self._outcome("client_error")
+                    yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
+                    break
                 if c.text or c.finish_reason:
                     delta = {"content": c.text} if c.text else {}
                     yield openai_format.chunk(request_id, model, delta, c.finish_reason)
                 if c.finish_reason and chat.include_usage:
                     usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                     yield openai_format.chunk(request_id, model, {}, usage=usage, choices=False)
+            else:
+                self._outcome("ok")
             yield openai_format.DONE
-            self._outcome("ok")
         except Exception:  # the stream has started: report in-band, as OpenAI does
             logger.exception("stream failed")
             self._outcome("server_error")
