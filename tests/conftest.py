@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cache_fixtures import free_port
+from tests.cache_fixtures import make_cache, namespace, raw_redis, redis_process  # noqa: F401  (cache-test fixtures)
 from tests.support.images import REFERENCE_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,14 +71,10 @@ def vllm_reference(tiny_checkpoint, image_files, tmp_path_factory):
 @pytest.fixture(scope="session")
 def serve_instance():
     """Ray with logical CPUs above the physical two, and Serve's proxy on a free port."""
-    import socket
-
     import ray
     from ray import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

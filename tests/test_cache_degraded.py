@@ -5,16 +5,7 @@ import logging
 import signal
 import time
 
-from tests.cache_fixtures import (  # noqa: F401  (fixtures)
-    FINGERPRINT,
-    RedisProcess,
-    assert_same_features,
-    free_port,
-    make_cache,
-    make_features,
-    namespace,
-    redis_process,
-)
+from tests.cache_fixtures import FINGERPRINT, RedisProcess, assert_same_features, free_port, make_features
 
 from cache_service.keys import content_key
 
@@ -114,8 +105,6 @@ async def test_full_redis_fails_writes_without_degrading(make_cache, namespace, 
 async def test_ping_reports_reachability():
     from cache_service.config import CacheConfig
     from cache_service.feature_cache import FeatureCache
-    from tests.cache_fixtures import free_port
-
     down = FeatureCache(CacheConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
     assert await down.ping() is False
     assert down.stats()["degraded"] == 1

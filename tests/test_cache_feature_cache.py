@@ -2,14 +2,7 @@
 
 import pytest
 import torch
-from tests.cache_fixtures import (  # noqa: F401  (fixtures)
-    FINGERPRINT,
-    assert_same_features,
-    make_cache,
-    make_features,
-    namespace,
-    raw_redis,
-)
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 from cache_service.codec import Features, encode
 from cache_service.config import CacheConfig

@@ -10,14 +10,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from cache_service.redis_bulk import BulkClient, _ReplyReader, groups_by_size, supports
-from tests.cache_fixtures import (  # noqa: F401  (fixtures)
-    SHARED_REDIS_URL,
-    RedisProcess,
-    free_port,
-    namespace,
-    raw_redis,
-    redis_process,
-)
+from tests.cache_fixtures import SHARED_REDIS_URL, RedisProcess, free_port
 
 
 def feed(reader: _ReplyReader, data: bytes, chunk: int) -> None:

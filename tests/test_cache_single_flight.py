@@ -4,14 +4,7 @@ import asyncio
 import time
 
 import pytest
-from tests.cache_fixtures import (  # noqa: F401  (fixtures)
-    FINGERPRINT,
-    assert_same_features,
-    make_cache,
-    make_features,
-    namespace,
-    raw_redis,
-)
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 from cache_service.keys import content_key
 

@@ -3,12 +3,11 @@ app starts, answers correctly (features travel inline), and says it is degraded.
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 from ray import serve
 
+from tests.cache_fixtures import free_port
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 
 
@@ -16,9 +15,7 @@ from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 def app_without_redis(serve_instance, tiny_checkpoint):
     from deployments.app import build_app
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()  # nobody listens there
     args = {
         "model": tiny_checkpoint("llava"),
         "engine_args": {"max_model_len": 2048},
