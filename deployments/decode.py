@@ -60,11 +60,14 @@ class LLMDecode:
                 return
 
         prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-        error = self._check_length(prompt, features, request.sampling.max_tokens)
+        # Tokenized once, here, as `vllm serve` does for chat: the template already holds
+        # any special tokens. vLLM expands each image placeholder into its feature tokens.
+        token_ids = self.processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        error = self._check_length(token_ids, features, request.sampling.max_tokens)
         if error:
             yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
             return
-        engine_prompt: dict = {"prompt": prompt}
+        engine_prompt: dict = {"prompt_token_ids": token_ids}
         if keys:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
@@ -91,11 +94,10 @@ class LLMDecode:
         except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt", "param": "messages"})
 
-    def _check_length(self, prompt: str, features: list, max_tokens: int | None) -> str | None:
+    def _check_length(self, token_ids: list[int], features: list, max_tokens: int | None) -> str | None:
         """vLLM would silently cut max_tokens; OpenAI (and `vllm serve`) answer 400 instead."""
         # Each image's single placeholder token expands to its feature tokens.
-        n_prompt = len(self.processor.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        n_prompt += sum(int(f.meta["num_tokens"]) - 1 for f in features)
+        n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
         wanted = n_prompt + (max_tokens or 1)
         if wanted > self.max_model_len:
             return (f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
