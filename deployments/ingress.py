@@ -31,7 +31,7 @@ from deployments.metrics import CacheMetrics, latency_histogram
 from pipeline import openai_format
 from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import ParsedChat, parse_chat_request
-from pipeline.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request, not_found, server_error
 from pipeline.media import load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, ImageJob
 from pipeline.tenant import tenant_of
@@ -138,9 +138,8 @@ class Ingress:
             body = await _json_body(request, self.max_body_bytes)
             chat = parse_chat_request(body, self.config.max_images_per_prompt)
             if chat.model and chat.model != self.config.model_name:
-                raise IrisError(f"The model `{chat.model}` does not exist; this server serves "
-                                f"`{self.config.model_name}`.", status_code=404, param="model",
-                                code="model_not_found")
+                raise not_found(f"The model `{chat.model}` does not exist; this server serves "
+                                f"`{self.config.model_name}`.", param="model", code="model_not_found")
             tenant = tenant_of(request.headers, self.config.tenant_header)
             images = await asyncio.wait_for(self._features(chat, tenant), self.config.request_timeout_s)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -148,10 +147,10 @@ class Ingress:
         except IrisError as err:
             return self._error(err)
         except asyncio.TimeoutError:
-            return self._error(IrisError("image processing timed out", status_code=504, code="timeout"))
+            return self._error(server_error("image processing timed out", code="timeout", status_code=504))
         except Exception:  # a bug or a dead replica: log it, answer 500, keep serving
             logger.exception("chat completion failed")
-            return self._error(IrisError("internal error", status_code=500, code="internal_error"))
+            return self._error(server_error("internal error", code="internal_error"))
         headers = {"x-iris-images": f"cached={images.cached},computed={images.computed}"}
         if chat.stream:
             return StreamingResponse(self._stream(chat, request_id, chunks), media_type="text/event-stream",
@@ -270,7 +269,7 @@ class Ingress:
         except Exception:  # the stream has started: report in-band, as OpenAI does
             logger.exception("stream failed")
             self._outcome("server_error")
-            yield openai_format.sse(IrisError("internal error", status_code=500, code="internal_error").to_dict())
+            yield openai_format.sse(server_error("internal error", code="internal_error").to_dict())
             yield openai_format.DONE
         finally:
             await chunks.aclose()
