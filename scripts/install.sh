@@ -66,7 +66,7 @@ fi
 # on CPU torch stays pinned so nothing swaps it for a CUDA build.
 pins=()
 [ "$IRIS_DEVICE" = cpu ] && pins=("torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION")
-"${PIP[@]}" -e ".[test]" "${pins[@]}"
+"${PIP[@]}" -e ".[test,bench]" "${pins[@]}"
 "$VENV/bin/python" -c "import vllm, ray, redis, pyarrow, transformers, torchvision" \
   || { echo "iris: install finished but imports fail" >&2; exit 1; }
 echo "$want" > "$STAMP"

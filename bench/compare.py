@@ -1,0 +1,254 @@
+"""Iris against Ray Serve LLM and `vllm serve`, side by side, in one run.
+
+Starts each system under test on the same checkpoint and engine settings
+(bench/harness/systems.py), drives it through the same fixed-seed workloads
+(bench/harness/workloads.py) with one client (bench/harness/client.py) and
+vLLM's own bench client, reads its counters, stops it, and moves on. Ratios
+Iris / peer are computed within the run.
+
+    .venv/bin/python bench/compare.py --quick        # < 10 min: Iris, Ray Serve LLM, vllm serve; 1 replica
+    .venv/bin/python bench/compare.py                # the full matrix (about an hour on 2 CPU cores)
+    .venv/bin/python bench/compare.py --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
+
+Writes bench/results/<name>.json (every summary, the git commit and the command),
+<name>.md (the tables) and <name>_*.png (plots); <name> is `compare` or
+`compare_quick`. Needs Redis at 127.0.0.1:6379 for Iris's feature cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import report, systems, vllm_bench  # noqa: E402
+from bench.harness.client import LoadClient  # noqa: E402
+from bench.harness.workloads import ImageSpec, WorkloadFactory, hash_str  # noqa: E402
+
+SWEEP_WORKLOAD = "zipf"
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One measurement: a workload of n requests under one load shape."""
+
+    workload: str
+    n: int
+    concurrency: int | None = None  # closed loop
+    rate: float | None = None  # open loop: Poisson arrivals per second
+    options: dict = field(default_factory=dict, hash=False)
+    sweep: bool = False  # part of the latency-vs-load curve
+
+    @property
+    def name(self) -> str:
+        if self.workload == "random_mm":
+            return f"random_mm-c{self.concurrency}" + ("-again" if self.options.get("again") else "")
+        return f"{self.workload}-" + (f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}")
+
+
+FULL = [
+    LoadPoint("unique", 20, concurrency=1), LoadPoint("unique", 40, concurrency=4),
+    LoadPoint("repeat", 20, concurrency=1),
+    LoadPoint("text_as_image", 20, concurrency=1), LoadPoint("text", 20, concurrency=1),
+    LoadPoint("text", 40, concurrency=4),
+    LoadPoint("zipf", 30, concurrency=1, sweep=True), LoadPoint("zipf", 40, concurrency=2, sweep=True),
+    LoadPoint("zipf", 60, concurrency=4, sweep=True), LoadPoint("zipf", 80, concurrency=8, sweep=True),
+    LoadPoint("zipf", 40, rate=4), LoadPoint("zipf", 60, rate=8),
+    LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 40, concurrency=4),
+    LoadPoint("large", 6, concurrency=1), LoadPoint("large", 8, concurrency=2),
+    LoadPoint("random_mm", 60, concurrency=4), LoadPoint("random_mm", 60, concurrency=4, options={"again": True}),
+]
+QUICK = [
+    LoadPoint("unique", 8, concurrency=1), LoadPoint("repeat", 8, concurrency=1),
+    LoadPoint("zipf", 24, concurrency=4, sweep=True), LoadPoint("upload_free", 12, concurrency=4),
+    LoadPoint("text", 8, concurrency=1),
+]
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine() -> str:
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return f"{os.cpu_count()}-core {platform.machine()} machine with {mem_gib:.0f} GiB, no GPU"
+
+
+def image_prompt_chars(checkpoint: str, small_px: int) -> int:
+    """How many tokens one workload image becomes in the prompt (characters, for a byte-level tokenizer)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from pipeline.families import adapter_for
+
+    data = base64.b64decode(ImageSpec(0, small_px, small_px).data_url.split(",", 1)[1])
+    return adapter_for(checkpoint).preprocess(Image.open(io.BytesIO(data)).convert("RGB")).num_tokens
+
+
+def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
+            tokenizer: str) -> dict:
+    if point.workload == "random_mm":
+        if len(system.base_urls) > 1:
+            return {"skipped": "vllm bench serve drives one server; no load balancer in front of these"}
+        summary = vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
+                                 point.concurrency, args.seed)
+        return {"summary": summary}
+    options = dict(point.options)
+    if point.workload == "text_as_image":
+        options["image_chars"] = image_chars
+    # Each point gets its own images, so "new" images are new to the system at every point.
+    workload = WorkloadFactory(hash_str(f"{args.seed}:{point.name}") % 2 ** 31, factory.small_px,
+                               factory.prompt_words, factory.max_tokens).build(point.workload, point.n, **options)
+    client = LoadClient(system.base_urls, systems.SERVED_NAME)
+    before = system.counters()
+    if point.concurrency:
+        records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
+    else:
+        records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
+    counters = system.counters().minus(before)
+    summary = report.summarize(records, duration, workload.distinct_images, counters)
+    return {"summary": summary, "description": workload.description}
+
+
+def warm_up(system: systems.RunningSystem, factory: WorkloadFactory) -> dict:
+    """Two sequential requests, then four at once: first-request costs stay out of the figures,
+    and a system that fails a cold concurrent burst shows it here."""
+    client = LoadClient(system.base_urls, systems.SERVED_NAME)
+    warm = WorkloadFactory(factory.seed + 7919, factory.small_px, factory.prompt_words, factory.max_tokens)
+    first, _ = asyncio.run(client.closed_loop(warm.unique(2), 1))
+    burst, _ = asyncio.run(client.closed_loop(warm.zipf(8, repeat_share=0.5, pool=2), 4))
+    failed = [r for r in first + burst if not r.ok]
+    return {"requests": len(first) + len(burst), "failed": len(failed),
+            "errors": sorted({f"{r.status} {r.error[:160]}" for r in failed})[:3]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="Iris, Ray Serve LLM and vllm serve, 1 replica, "
+                        "a few points: under 10 minutes")
+    parser.add_argument("--model", default="builtin:bench-llava", help="any Iris model reference")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
+    parser.add_argument("--replicas", help="decode replica counts, e.g. 1,2 (default: 1,2; --quick: 1)")
+    parser.add_argument("--points", help="comma-separated load point names to run (default: all of the plan)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every point's request count")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--name", help="output name under --out-dir (default: compare or compare_quick)")
+    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--no-plots", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    run = run_comparison(args, " ".join(["python", "bench/compare.py", *map(shlex.quote, sys.argv[1:])]))
+    print(report.markdown(run))
+
+
+def run_comparison(args, command: str) -> dict:
+    from tqdm import tqdm
+
+    from pipeline.families import adapter_for
+    from pipeline.models.source import resolve_model
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    names = (args.systems.split(",") if args.systems else
+             ["iris", "rayllm", "vllm"] if args.quick else list(systems.SYSTEMS))
+    replica_counts = [int(x) for x in (args.replicas or ("1" if args.quick else "1,2")).split(",")]
+    plan = QUICK if args.quick else FULL
+    if args.points:
+        wanted = set(args.points.split(","))
+        plan = [p for p in plan + [p for p in FULL + QUICK if p not in plan] if p.name in wanted]
+        plan = list({p.name: p for p in plan}.values())
+    plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep)
+            for p in plan]
+    checkpoint = resolve_model(args.model)
+    dtype = str(adapter_for(checkpoint).vision_dtype).removeprefix("torch.")
+    engine = systems.EngineSettings(checkpoint, dtype)
+    factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
+    image_chars = image_prompt_chars(checkpoint, args.small_px)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = args.name or ("compare_quick" if args.quick else "compare")
+    log_dir = Path(tempfile.mkdtemp(prefix="iris-compare-logs-"))
+    run = {"model": args.model, "checkpoint": checkpoint, "dtype": dtype, "commit": _git_commit(),
+           "command": command, "machine": _machine(), "seed": args.seed,
+           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
+           "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
+           "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+    combos = [(s, r) for r in replica_counts for s in names if not (s == "rayllm-affinity" and r == 1)]
+    t0 = time.monotonic()
+    bar = tqdm(total=len(combos) * len(plan), unit="point", dynamic_ncols=True)
+    try:
+        for system_name, replicas in combos:
+            bar.set_description(f"{system_name} x{replicas}: starting")
+            try:
+                system = systems.start(system_name, replicas, engine, log_dir)
+            except Exception as err:  # one system that cannot start does not stop the others
+                run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})
+                for point in plan:
+                    run["results"].append({"system": system_name, "replicas": replicas, "point": point.name,
+                                           "skipped": "did not start (see starts)"})
+                bar.update(len(plan))
+                continue
+            run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
+                                  "warm_up": warm_up(system, factory)})
+            try:
+                for point in plan:
+                    bar.set_description(f"{system_name} x{replicas}: {point.name}")
+                    try:
+                        result = measure(system, point, factory, args, image_chars, checkpoint)
+                    except Exception as err:
+                        result = {"skipped": f"error: {err}"[-1000:]}
+                    run["results"].append({"system": system_name, "replicas": replicas, "point": point.name,
+                                           "workload": point.workload, "concurrency": point.concurrency,
+                                           "rate": point.rate, "sweep": point.sweep, **result})
+                    bar.update(1)
+            finally:
+                bar.set_description(f"{system_name} x{replicas}: stopping")
+                system.stop()
+            run["duration_s"] = time.monotonic() - t0
+            _save(run, out_dir, name, plots=False)  # partial results survive a crash later on
+    finally:
+        bar.close()
+    run["duration_s"] = time.monotonic() - t0
+    run["ratios"] = report.ratios(run["results"])
+    _save(run, out_dir, name, plots=not args.no_plots)
+    return run
+
+
+def _save(run: dict, out_dir: Path, name: str, plots: bool) -> None:
+    run["ratios"] = report.ratios(run["results"])
+    (out_dir / f"{name}.json").write_text(json.dumps(run, indent=1))
+    (out_dir / f"{name}.md").write_text(report.markdown(run))
+    if plots:
+        run["plots"] = [p.name for p in report.plots(run, out_dir / name)]
+        (out_dir / f"{name}.json").write_text(json.dumps(run, indent=1))
+
+
+if __name__ == "__main__":
+    main()

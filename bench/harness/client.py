@@ -1,0 +1,159 @@
+"""The load client: sends a workload's conversations to an OpenAI-compatible
+server and records, per request, TTFT at the first streamed chunk (as vLLM's
+own bench client does), end-to-end latency and output tokens.
+
+Two load shapes:
+  closed loop  `concurrency` clients, each sends its next conversation as soon as
+               the previous one ends (saturation throughput)
+  open loop    conversations start at Poisson arrival times of a given rate,
+               whatever is still in flight (latency under a fixed offered load)
+
+Several base URLs are used round-robin per request, as a plain load balancer
+in front of independent servers would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+
+from bench.harness.workloads import Conversation, Workload, chat_messages
+
+
+@dataclass
+class RequestRecord:
+    conversation: int
+    turn: int
+    start_s: float  # since the start of the load point
+    ok: bool
+    status: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    resent: bool = False  # upload-free: the uuid missed and the bytes were sent again
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Answer:
+    status: int
+    ttft_s: float | None = None
+    text: str = ""
+    usage: dict | None = None
+    error: str = ""
+
+
+class LoadClient:
+    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600):
+        self.base_urls = base_urls
+        self.model = model
+        self._next_url = itertools.cycle(base_urls)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def _post(self, session: aiohttp.ClientSession, messages: list[dict], max_tokens: int,
+                    start: float) -> _Answer:
+        """One streamed request; TTFT counts from `start`, the user's first attempt."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        url = f"{next(self._next_url)}/v1/chat/completions"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                return _Answer(response.status, error=(await response.text())[:300])
+            answer = _Answer(200)
+            text = []
+            buffer = b""
+            async for piece in response.content.iter_any():
+                buffer += piece
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    data = event.strip().removeprefix(b"data:").strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        answer.error = json.dumps(chunk["error"])[:300]
+                    if chunk.get("choices"):
+                        if answer.ttft_s is None:
+                            answer.ttft_s = time.perf_counter() - start
+                        text.append(chunk["choices"][0].get("delta", {}).get("content") or "")
+                    if chunk.get("usage"):
+                        answer.usage = chunk["usage"]
+            answer.text = "".join(text)
+            return answer
+
+    async def conversation(self, session: aiohttp.ClientSession, index: int, conv: Conversation,
+                           max_tokens: int, t0: float) -> list[RequestRecord]:
+        records, history = [], []
+        for turn_index, turn in enumerate(conv.turns):
+            start = time.perf_counter()
+            record = RequestRecord(index, turn_index, start - t0, ok=False)
+            try:
+                upload_free = conv.upload_free and turn.image is not None
+                answer = await self._post(session, chat_messages(history, turn, not upload_free), max_tokens, start)
+                if upload_free and 400 <= answer.status < 500:
+                    record.resent = True  # a cache miss: send the bytes with the same uuid
+                    answer = await self._post(session, chat_messages(history, turn, True), max_tokens, start)
+                record.status = answer.status
+                record.error = answer.error
+                if answer.status == 200 and not answer.error and answer.ttft_s is not None:
+                    record.ok = True
+                    record.ttft_s = answer.ttft_s
+                    record.latency_s = time.perf_counter() - start
+                    usage = answer.usage or {}
+                    record.output_tokens = usage.get("completion_tokens", 0)
+                    record.prompt_tokens = usage.get("prompt_tokens", 0)
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
+                record.error = f"{type(err).__name__}: {err}"[:300]
+            records.append(record)
+            if not record.ok:
+                break  # the rest of a conversation needs this turn's answer
+            history = chat_messages(history, turn, True) + [{"role": "assistant", "content": answer.text}]
+        return records
+
+    async def closed_loop(self, workload: Workload, concurrency: int) -> tuple[list[RequestRecord], float]:
+        queue = list(enumerate(workload.conversations))[::-1]
+        records: list[RequestRecord] = []
+        async with self._session(concurrency) as session:
+            t0 = time.perf_counter()
+
+            async def worker():
+                while queue:
+                    index, conv = queue.pop()
+                    records.extend(await self.conversation(session, index, conv, workload.max_tokens, t0))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return records, time.perf_counter() - t0
+
+    async def open_loop(self, workload: Workload, rate: float, seed: int) -> tuple[list[RequestRecord], float]:
+        rng = random.Random(seed)
+        records: list[RequestRecord] = []
+        async with self._session(len(workload.conversations)) as session:
+            t0 = time.perf_counter()
+            tasks, at = [], 0.0
+            for index, conv in enumerate(workload.conversations):
+                delay = at - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(
+                    self.conversation(session, index, conv, workload.max_tokens, t0)))
+                at += rng.expovariate(rate)
+            for done in await asyncio.gather(*tasks):
+                records.extend(done)
+            return records, time.perf_counter() - t0
+
+    def _session(self, connections: int) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=self.timeout,
+                                     connector=aiohttp.TCPConnector(limit=max(1, connections)))
+

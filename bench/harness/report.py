@@ -1,0 +1,195 @@
+"""Turns a run's per-request records into summaries, ratios, a Markdown report and plots."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from bench.harness.client import RequestRecord
+from bench.harness.metrics import Counters
+
+IRIS = "iris"
+PEERS = ("rayllm", "rayllm-affinity", "vllm")
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000
+
+
+def _dist(values: list[float]) -> dict:
+    return {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9), "p99": _pct(values, 0.99),
+            "mean": statistics.fmean(values) * 1000 if values else None}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, distinct_images: int,
+              counters: Counters | None) -> dict:
+    ok = [r for r in records if r.ok]
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
+        "duration_s": duration_s, "req_per_s": len(ok) / duration_s if duration_s else None,
+        "ttft_ms": _dist([r.ttft_s for r in ok]), "latency_ms": _dist([r.latency_s for r in ok]),
+        "tpot_ms": _dist(tpot),
+        "output_tokens_mean": statistics.fmean(r.output_tokens for r in ok) if ok else None,
+        "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
+        "resent": sum(r.resent for r in records),
+        "errors": sorted({f"{r.status} {r.error[:160]}" for r in records if not r.ok})[:5],
+        "distinct_images": distinct_images,
+    }
+    if counters is not None:
+        summary["encoder_runs"] = counters.encoder_runs
+        summary["encoder_runs_per_distinct_image"] = (counters.encoder_runs / distinct_images
+                                                      if distinct_images else None)
+        if counters.preprocess_runs is not None:
+            summary["preprocess_runs_per_distinct_image"] = (counters.preprocess_runs / distinct_images
+                                                             if distinct_images else None)
+        summary["prefix_hit_rate_by_replica"] = counters.prefix_hit_rates()
+    return summary
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Iris / peer for each load point and replica count, from the same run."""
+    index = {(r["system"], r["replicas"], r["point"]): r for r in results if r.get("summary")}
+    rows = []
+    for (system, replicas, point), iris in index.items():
+        if system != IRIS:
+            continue
+        for peer in PEERS:
+            other = index.get((peer, replicas, point))
+            if other is None:
+                continue
+            a, b = iris["summary"], other["summary"]
+            rows.append({"point": point, "replicas": replicas, "peer": peer,
+                         "ttft_p50": _ratio(a["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
+                         "ttft_p90": _ratio(a["ttft_ms"]["p90"], b["ttft_ms"]["p90"]),
+                         "tpot_p50": _ratio(a["tpot_ms"]["p50"], b["tpot_ms"]["p50"]),
+                         "req_per_s": _ratio(a["req_per_s"], b["req_per_s"])})
+    return rows
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _fmt(value, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(run: dict) -> str:
+    results = [r for r in run["results"] if r.get("summary")]
+    systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
+    points = list(dict.fromkeys(r["point"] for r in results))
+    lines = [f"# Iris vs Ray Serve LLM vs `vllm serve` ({run['model']})", "",
+             f"CPU figures from a {run['machine']}; commit `{run['commit']}`; {run['started']}; "
+             f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
+             "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
+             "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", ""]
+    for replicas in sorted({r["replicas"] for r in results}):
+        lines += [f"## {replicas} decode replica{'s' if replicas > 1 else ''}", "",
+                  "| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+        for point in points:
+            cells = []
+            for system in systems:
+                r = next((x for x in results if (x["system"], x["replicas"], x["point"]) == (system, replicas, point)), None)
+                if r is None:
+                    cells.append("")
+                    continue
+                s = r["summary"]
+                cell = f"{_fmt(s['ttft_ms']['p50'])} / {_fmt(s['ttft_ms']['p90'])} / {_fmt(s['req_per_s'], 1)}"
+                if s["failed"]:
+                    cell += f" ({s['failed']} failed)"
+                cells.append(cell)
+            if any(cells):
+                lines.append(f"| {point} | " + " | ".join(cells) + " |")
+        lines.append("")
+        rows = [x for x in run["ratios"] if x["replicas"] == replicas]
+        if rows:
+            lines += ["Iris / peer, same run (below 1 is Iris faster for TTFT/TPOT, above 1 is Iris faster for req/s):", "",
+                      "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | req/s |", "|---|---|---|---|---|---|"]
+            for x in rows:
+                lines.append(f"| {x['point']} | {x['peer']} | {_fmt(x['ttft_p50'], 2)} | {_fmt(x['ttft_p90'], 2)} | "
+                             f"{_fmt(x['tpot_p50'], 2)} | {_fmt(x['req_per_s'], 2)} |")
+            lines.append("")
+    lines += ["## Encoder runs per distinct image, prefix-cache hit rate per replica", "",
+              "Iris counts its VisionEncoder's computations; the vLLM-based peers, their multimodal "
+              "processor-cache misses (see bench/harness/metrics.py).", "",
+              "| system | replicas | load point | distinct images | encoder runs / image | prefix hit rate by replica |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        s = r["summary"]
+        if not s.get("distinct_images"):
+            continue
+        rates = ", ".join(_fmt(v * 100 if v is not None else None) + "%" for v in
+                          (s.get("prefix_hit_rate_by_replica") or {}).values())
+        lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {s['distinct_images']} | "
+                     f"{_fmt(s.get('encoder_runs_per_distinct_image'), 2)} | {rates} |")
+    skipped = [r for r in run["results"] if not r.get("summary")]
+    if skipped:
+        lines += ["", "## Not measured", ""] + [f"- {r['system']} ×{r['replicas']} {r['point']}: {r['skipped']}"
+                                                 for r in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def plots(run: dict, out_prefix: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in run["results"] if r.get("summary")]
+    replica_counts = sorted({r["replicas"] for r in results})
+    systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
+    saved = []
+
+    # Latency against achieved load, for the points of the load sweep.
+    fig, axes = plt.subplots(1, len(replica_counts), figsize=(6 * len(replica_counts), 4.5), squeeze=False)
+    for ax, replicas in zip(axes[0], replica_counts):
+        for system in systems:
+            pts = sorted((r["summary"]["req_per_s"], r["summary"]["ttft_ms"]["p50"]) for r in results
+                         if r["system"] == system and r["replicas"] == replicas and r.get("sweep")
+                         and r["summary"]["ttft_ms"]["p50"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_title(f"{run['sweep_workload']} workload, {replicas} decode replica(s)")
+        ax.set_xlabel("achieved requests/s")
+        ax.set_ylabel("p50 TTFT (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Latency vs load (CPU, {run['model']})")
+    fig.tight_layout()
+    path = out_prefix.with_name(out_prefix.name + "_latency_vs_load.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    saved.append(path)
+
+    # p50 TTFT per load point, grouped by system.
+    points = list(dict.fromkeys(r["point"] for r in results if not r.get("sweep")))
+    fig, axes = plt.subplots(len(replica_counts), 1, figsize=(max(8, 1.1 * len(points)), 4 * len(replica_counts)),
+                             squeeze=False)
+    width = 0.8 / max(1, len(systems))
+    for ax, replicas in zip(axes[:, 0], replica_counts):
+        for k, system in enumerate(systems):
+            values = []
+            for point in points:
+                r = next((x for x in results if (x["system"], x["replicas"], x["point"]) == (system, replicas, point)), None)
+                values.append(r["summary"]["ttft_ms"]["p50"] if r and r["summary"]["ttft_ms"]["p50"] else 0)
+            ax.bar([i + k * width for i in range(len(points))], values, width, label=system)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, rotation=30, ha="right")
+        ax.set_ylabel("p50 TTFT (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{replicas} decode replica(s)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"p50 TTFT by workload (CPU, {run['model']})")
+    fig.tight_layout()
+    path = out_prefix.with_name(out_prefix.name + "_ttft_by_workload.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    saved.append(path)
+    return saved

