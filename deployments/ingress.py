@@ -32,7 +32,7 @@ from pipeline import openai_format
 from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
-from pipeline.media import load_image_bytes
+from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, ImageJob
 from pipeline.tenant import tenant_of
 
@@ -105,7 +105,7 @@ class Ingress:
         # The ingress only asks which keys exist; it never holds features.
         self.cache = FeatureCache(config.cache.model_copy(update={"l1_max_bytes": 0}))
         self.cache_metrics = CacheMetrics(self.cache)
-        self.http = httpx.AsyncClient(follow_redirects=False)
+        self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
         # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)
