@@ -267,7 +267,9 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str | None = None) 
         raise bad_request(f"could not read image: {e}", param, "invalid_image") from None
 
     fmt = img.format or "unknown"
-    if fmt.upper() not in limits.allowed_formats:
+    # Pillow names a JPEG that carries extra pictures (phone cameras) "MPO"; it
+    # is a JPEG to clients and to vLLM, and its first picture is the image.
+    if fmt.upper() not in limits.allowed_formats and not (fmt == "MPO" and "JPEG" in limits.allowed_formats):
         raise bad_request(
             f"image format {fmt} is not supported; allowed formats: {', '.join(sorted(limits.allowed_formats))}",
             param,
