@@ -32,7 +32,8 @@ from pipeline import openai_format
 from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
-from pipeline.media import load_image_bytes
+from pipeline.json_body import parse_json_body
+from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, ImageJob
 from pipeline.tenant import tenant_of
 
@@ -51,13 +52,7 @@ async def _json_body(request: Request, max_bytes: int) -> dict:
         raw += piece
         if len(raw) > max_bytes:
             raise _too_large(max_bytes)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(f"request body is not valid JSON: {err}", code="invalid_json") from err
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    return body
+    return parse_json_body(raw)  # 400 invalid_json for bad UTF-8, syntax or nesting
 
 
 def _too_large(max_bytes: int) -> IrisError:
@@ -105,7 +100,7 @@ class Ingress:
         # The ingress only asks which keys exist; it never holds features.
         self.cache = FeatureCache(config.cache.model_copy(update={"l1_max_bytes": 0}))
         self.cache_metrics = CacheMetrics(self.cache)
-        self.http = httpx.AsyncClient(follow_redirects=False)
+        self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
         # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)

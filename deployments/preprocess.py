@@ -22,6 +22,7 @@ from pipeline.stage_io import EncodedImage, ImageJob
 class Preprocess:
     def __init__(self, config: IrisConfig, encoder: DeploymentHandle):
         self.adapter = adapter_for(resolve_model(config.model))  # configs only: no weights here
+        self.adapter.load_preprocessing()  # imports + warm-up now, not racing in the first burst
         self.limits = config.media
         self.encoder = encoder
         self.seconds = latency_histogram("iris_preprocess_seconds", "Seconds to decode and preprocess one image")

@@ -17,10 +17,11 @@ Every error is an IrisError 400 whose `param` names the offending field, e.g.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.errors import IrisError, bad_request
 
@@ -33,6 +34,24 @@ MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 # ---------------------------------------------------------------------------
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(v: str) -> str:
+    # JSON may carry "\ud800" escapes that decode to a lone surrogate: not
+    # Unicode text, and the tokenizer raises TypeError on it (a 500 later on).
+    # A regex scan, not v.encode(), to avoid copying megabytes of text.
+    m = _SURROGATE.search(v)
+    if m:
+        raise ValueError(f"must be valid Unicode text (lone surrogate \\u{ord(m.group()):04x} "
+                         f"at position {m.start()})")
+    return v
+
+
+# Every string we pass on (text, uuid, url, stop, model, name) is checked.
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+
+
 class _Model(BaseModel):
     # strict: a known field with the wrong JSON type ("5" for max_tokens,
     # "true" for stream) is a 400, not silently coerced.
@@ -41,24 +60,24 @@ class _Model(BaseModel):
 
 class ImageURLModel(_Model):
     # url may be absent/null when the part carries a uuid (upload-free).
-    url: str | None = None
+    url: Text | None = None
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class ContentPartModel(_Model):
     # One model for every part type, so an unknown type gets our own message
     # (see _parse_part) instead of a pydantic union error.
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
     image_url: ImageURLModel | None = None
-    uuid: str | None = None
+    uuid: Text | None = None
 
 
 class MessageModel(_Model):
     # "developer" is OpenAI's newer name for "system"; we treat it as system.
     role: Literal["system", "developer", "user", "assistant"]
     content: list[ContentPartModel] | None = None
-    name: str | None = None
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -77,7 +96,7 @@ class StreamOptionsModel(_Model):
 
 
 class ChatCompletionRequest(_Model):
-    model: str | None = None
+    model: Text | None = None
     messages: list[MessageModel]
     stream: bool | None = None
     stream_options: StreamOptionsModel | None = None
@@ -87,9 +106,9 @@ class ChatCompletionRequest(_Model):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # int64, as OpenAI documents; anything larger would overflow downstream.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stop: list[Text] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     n: int | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

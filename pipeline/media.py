@@ -5,14 +5,17 @@ Two steps kept apart on purpose: the raw bytes are what the cache key hashes
 
 Every failure is an IrisError 400 with a code the client can act on:
   invalid_image_url       scheme not supported (file://, ftp://, bare paths) or malformed data: URL
-  image_fetch_failed      http(s) error status, connection error, timeout, too many redirects
+  image_fetch_failed      address not allowed (SSRF guard), error status, connection error,
+                          timeout, too many redirects; the reason is generic and never
+                          repeats the remote server's status line or body
   image_too_large         over max_image_bytes, or over max_image_pixels (decompression bomb)
   unsupported_image_format  a real image, but in a format not allowed here
   invalid_image           bad base64, not an image, truncated or corrupt
 
-No SSRF guard: http(s) URLs may point anywhere this process can reach. Servers
-exposed to untrusted clients should set allow_http=False or put an egress
-proxy/firewall in front.
+SSRF guard: http(s) fetches connect only to public addresses, plus the hosts
+and networks named in allowed_fetch_hosts / allowed_fetch_cidrs; every
+connection, redirects included, is checked after DNS resolution
+(pipeline/fetch_client.py, pipeline/address_policy.py).
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ import asyncio
 import base64
 import binascii
 import io
+import ipaddress
+import logging
 from typing import Annotated
 
 import httpx
 from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.address_policy import FetchPolicy, normalize_host
 from pipeline.errors import IrisError, bad_request
+from pipeline.fetch_client import FetchRefused, GuardedClient
+
+logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -42,11 +51,38 @@ class MediaLimits(BaseModel):
     allowed_formats: frozenset[str] = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP"})
     allow_http: bool = True
     max_redirects: Annotated[int, Field(ge=0, le=20)] = 3
+    # SSRF guard exceptions; empty = public addresses only. A host named here may
+    # resolve to any address (exact names, e.g. "images.internal"); CIDRs allow
+    # addresses, e.g. "10.1.2.0/24" or "127.0.0.1/32" for tests.
+    allowed_fetch_hosts: frozenset[str] = frozenset()
+    allowed_fetch_cidrs: frozenset[str] = frozenset()
 
     @field_validator("allowed_formats", mode="after")
     @classmethod
     def _upper(cls, v: frozenset[str]) -> frozenset[str]:
         return frozenset(f.upper() for f in v)
+
+    @field_validator("allowed_fetch_hosts", mode="after")
+    @classmethod
+    def _hosts(cls, v: frozenset[str]) -> frozenset[str]:
+        hosts = frozenset(normalize_host(h) for h in v)
+        if "" in hosts:
+            raise ValueError("host names must not be empty")
+        return hosts
+
+    @field_validator("allowed_fetch_cidrs", mode="after")
+    @classmethod
+    def _cidrs(cls, v: frozenset[str]) -> frozenset[str]:
+        # Normalized ("10.1.2.3/8" -> "10.0.0.0/8"); a typo fails at start-up.
+        return frozenset(str(ipaddress.ip_network(c.strip(), strict=False)) for c in v)
+
+    def fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy.build(self.allowed_fetch_hosts, self.allowed_fetch_cidrs)
+
+
+def fetch_client(limits: MediaLimits) -> GuardedClient:
+    """A pooled http client for load_image_bytes that enforces the limits' SSRF policy."""
+    return GuardedClient(limits.fetch_policy(), limits.fetch_timeout_s)
 
 
 def _short(url: str, n: int = 100) -> str:
@@ -131,26 +167,40 @@ def _too_large_bytes(size: str, limits: MediaLimits, param: str | None) -> IrisE
 
 
 def _fetch_failed(url: str, reason: str, param: str | None) -> IrisError:
+    # `reason` is always one of our own fixed phrases: the remote server's status
+    # line, body and error text are never repeated to the client (they could be an
+    # internal service's answer), only logged.
     return bad_request(f"could not fetch image {_short(url)!r}: {reason}", param, "image_fetch_failed")
 
 
 async def _fetch_http(
     url: str, limits: MediaLimits, client: httpx.AsyncClient | None, param: str | None
 ) -> bytes:
-    own_client = client is None
+    # Only a client that enforces this very policy will do; any other (None, a
+    # plain httpx client, another policy) is replaced for this call.
+    own_client = not (isinstance(client, GuardedClient) and client.policy == limits.fetch_policy())
     if own_client:
-        client = httpx.AsyncClient(timeout=limits.fetch_timeout_s)
+        client = fetch_client(limits)
     try:
-        # One deadline for the whole fetch: httpx timeouts are per operation,
-        # so a server trickling bytes could otherwise hold us forever.
+        # One deadline for the whole fetch, DNS and redirects included: httpx
+        # timeouts are per operation, so a server trickling bytes could otherwise
+        # hold us forever.
         async with asyncio.timeout(limits.fetch_timeout_s):
             return await _fetch_following_redirects(client, url, limits, param)
     except TimeoutError:
         raise _fetch_failed(url, f"timed out after {limits.fetch_timeout_s:g} s", param) from None
+    except FetchRefused:
+        raise _fetch_failed(
+            url, "the address is not allowed: this server fetches images from public addresses only", param
+        ) from None
     except httpx.TimeoutException:
         raise _fetch_failed(url, "timed out", param) from None
+    except httpx.ConnectError as e:
+        logger.info("image fetch: could not connect for %s: %s", _short(url), e)
+        raise _fetch_failed(url, "could not connect to the server", param) from None
     except (httpx.HTTPError, httpx.InvalidURL) as e:
-        raise _fetch_failed(url, f"{type(e).__name__}: {e}", param) from None
+        logger.info("image fetch failed for %s: %s: %s", _short(url), type(e).__name__, e)
+        raise _fetch_failed(url, "the request failed", param) from None
     finally:
         if own_client:
             await client.aclose()
@@ -160,18 +210,20 @@ async def _fetch_following_redirects(
     client: httpx.AsyncClient, url: str, limits: MediaLimits, param: str | None
 ) -> bytes:
     # Redirects by hand: the limit is ours rather than the (maybe shared)
-    # client's, and every hop must stay http(s).
+    # client's, and every hop must stay http(s). Each hop's connection is
+    # checked by the client's SSRF guard.
     current = url
     for _ in range(limits.max_redirects + 1):
         async with client.stream("GET", current, follow_redirects=False) as resp:
             if resp.is_redirect:
                 target = resp.url.join(resp.headers["location"])
                 if target.scheme not in ("http", "https"):
-                    raise _fetch_failed(url, f"redirected to a non-http(s) URL {_short(str(target))!r}", param)
+                    raise _fetch_failed(url, "redirected to a URL that is not http(s)", param)
                 current = str(target)
                 continue
             if not resp.is_success:
-                raise _fetch_failed(url, f"HTTP {resp.status_code} {resp.reason_phrase}".rstrip(), param)
+                logger.info("image fetch: %s answered HTTP %d", _short(current), resp.status_code)
+                raise _fetch_failed(url, "the server did not return the image", param)
             # An honest Content-Length over the limit fails before any body is read.
             declared = resp.headers.get("content-length")
             if declared and declared.isdigit() and "content-encoding" not in resp.headers:
@@ -215,7 +267,9 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str | None = None) 
         raise bad_request(f"could not read image: {e}", param, "invalid_image") from None
 
     fmt = img.format or "unknown"
-    if fmt.upper() not in limits.allowed_formats:
+    # Pillow names a JPEG that carries extra pictures (phone cameras) "MPO"; it
+    # is a JPEG to clients and to vLLM, and its first picture is the image.
+    if fmt.upper() not in limits.allowed_formats and not (fmt == "MPO" and "JPEG" in limits.allowed_formats):
         raise bad_request(
             f"image format {fmt} is not supported; allowed formats: {', '.join(sorted(limits.allowed_formats))}",
             param,

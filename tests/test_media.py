@@ -16,7 +16,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, decode_image, load_image_bytes, to_rgb
+from pipeline.media import MediaLimits, decode_image, fetch_client, load_image_bytes, to_rgb
 
 LIMITS = MediaLimits()
 
@@ -381,54 +381,59 @@ def server():
     httpd.server_close()
 
 
+# The test server is on loopback, which the SSRF guard refuses unless allowed
+# (tests/test_fetch_guard.py tests the guard itself).
+LOOPBACK = MediaLimits(allowed_fetch_cidrs={"127.0.0.0/8"})
+
+
 @pytest.fixture
 async def client():
-    async with httpx.AsyncClient(trust_env=False) as c:
+    async with fetch_client(LOOPBACK) as c:
         yield c
 
 
 async def test_http_ok_default_client(server):
-    data = await load_image_bytes(f"{server}/ok.png", LIMITS)
+    data = await load_image_bytes(f"{server}/ok.png", LOOPBACK)
     assert data == PNG
     assert decode_image(data, LIMITS).size == (64, 48)
 
 
 async def test_http_ok_shared_client(server, client):
-    assert await load_image_bytes(f"{server}/ok.png", LIMITS, client) == PNG
-    assert await load_image_bytes(f"{server}/redirect", LIMITS, client) == PNG
+    assert await load_image_bytes(f"{server}/ok.png", LOOPBACK, client) == PNG
+    assert await load_image_bytes(f"{server}/redirect", LOOPBACK, client) == PNG
 
 
 async def test_http_404(server, client):
-    err = await expect_error(load_image_bytes(f"{server}/missing.png", LIMITS, client), "image_fetch_failed")
-    assert "404" in err.message
+    err = await expect_error(load_image_bytes(f"{server}/missing.png", LOOPBACK, client), "image_fetch_failed")
+    assert "did not return the image" in err.message and "404" not in err.message
 
 
 async def test_http_500(server, client):
-    err = await expect_error(load_image_bytes(f"{server}/error", LIMITS, client), "image_fetch_failed")
-    assert "500" in err.message
+    err = await expect_error(load_image_bytes(f"{server}/error", LOOPBACK, client), "image_fetch_failed")
+    assert "did not return the image" in err.message and "500" not in err.message and "oops" not in err.message
 
 
 async def test_http_redirect_limit(server, client):
-    limits = MediaLimits(max_redirects=3)
+    limits = MediaLimits(max_redirects=3, allowed_fetch_cidrs={"127.0.0.0/8"})
     assert await load_image_bytes(f"{server}/chain/2", limits, client) == PNG  # 3 redirects
     err = await expect_error(load_image_bytes(f"{server}/chain/3", limits, client), "image_fetch_failed")
     assert "redirects" in err.message
 
 
 async def test_http_redirect_to_file_rejected(server, client):
-    await expect_error(load_image_bytes(f"{server}/to-file", LIMITS, client), "image_fetch_failed")
+    await expect_error(load_image_bytes(f"{server}/to-file", LOOPBACK, client), "image_fetch_failed")
 
 
 async def test_http_empty_body(server, client):
-    await expect_error(load_image_bytes(f"{server}/empty", LIMITS, client), "image_fetch_failed")
+    await expect_error(load_image_bytes(f"{server}/empty", LOOPBACK, client), "image_fetch_failed")
 
 
 async def test_http_declared_too_large(server, client):
-    await expect_error(load_image_bytes(f"{server}/declared-huge", LIMITS, client), "image_too_large")
+    await expect_error(load_image_bytes(f"{server}/declared-huge", LOOPBACK, client), "image_too_large")
 
 
 async def test_http_too_large_stops_early(server, client):
-    limits = MediaLimits(max_image_bytes=1024 * 1024)
+    limits = MediaLimits(max_image_bytes=1024 * 1024, allowed_fetch_cidrs={"127.0.0.0/8"})
     _Handler.big_sent["bytes"] = 0
     _Handler.big_sent["done"].clear()
     await expect_error(load_image_bytes(f"{server}/endless", limits, client), "image_too_large")
@@ -440,7 +445,7 @@ async def test_http_too_large_stops_early(server, client):
 async def test_http_slow_server_times_out(server, client):
     t0 = time.monotonic()
     err = await expect_error(
-        load_image_bytes(f"{server}/slow", MediaLimits(fetch_timeout_s=0.5), client), "image_fetch_failed"
+        load_image_bytes(f"{server}/slow", MediaLimits(fetch_timeout_s=0.5, allowed_fetch_cidrs={"127.0.0.0/8"}), client), "image_fetch_failed"
     )
     assert time.monotonic() - t0 < 2.0
     assert "timed out" in err.message
@@ -451,5 +456,5 @@ async def test_http_connection_refused():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Nothing listens on the port now.
-    err = await expect_error(load_image_bytes(f"http://127.0.0.1:{port}/x.png", LIMITS), "image_fetch_failed")
-    assert "127.0.0.1" in err.message
+    err = await expect_error(load_image_bytes(f"http://127.0.0.1:{port}/x.png", LOOPBACK), "image_fetch_failed")
+    assert "could not connect" in err.message

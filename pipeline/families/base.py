@@ -10,6 +10,7 @@ The generic flow (preprocess -> encode -> cache -> vLLM) only talks to a
 from __future__ import annotations
 
 import json
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,11 @@ from PIL import Image
 
 from cache_service.codec import Features
 from pipeline.models.weights import load_prefixed, local_checkpoint
+
+# One lock for the process: transformers' lazy imports are process-wide, and
+# several threads importing AutoImageProcessor at once raced into ImportError.
+# Re-entrant because the warm-up preprocess reads image_processor again.
+_PREPROCESSING_LOCK = threading.RLock()
 
 
 @dataclass
@@ -38,16 +44,35 @@ class FamilyAdapter(ABC):
         self.root = local_checkpoint(checkpoint)
         self.config = json.loads((self.root / "config.json").read_text())
         self._image_processor = None
+        self._preprocessing_ready = False  # processor loaded and one image preprocessed
+        self._warming_up = False
         self.vision: torch.nn.Module | None = None
 
     # --- preprocessing (CPU) -------------------------------------------------
     @property
     def image_processor(self):
-        if self._image_processor is None:
+        if not self._preprocessing_ready:
+            self.load_preprocessing()
+        return self._image_processor
+
+    def load_preprocessing(self) -> None:
+        """Import transformers, load the image processor and preprocess one small
+        image, once and under a lock, so the first requests (often a concurrent
+        burst) neither race on lazy imports nor pay for them. Replicas call it in
+        their constructor; otherwise the first preprocess does."""
+        with _PREPROCESSING_LOCK:
+            if self._preprocessing_ready or self._warming_up:  # done, or re-entered by the warm-up below
+                return
             from transformers import AutoImageProcessor
 
             self._image_processor = AutoImageProcessor.from_pretrained(str(self.root))
-        return self._image_processor
+            self._warming_up = True
+            try:
+                # The processor's own first call imports more (e.g. torchvision transforms).
+                self.preprocess(Image.new("RGB", (224, 224), (128, 128, 128)))
+            finally:
+                self._warming_up = False
+            self._preprocessing_ready = True
 
     @abstractmethod
     def preprocess(self, image: Image.Image) -> PixelInputs:

@@ -1,0 +1,68 @@
+"""Request body bytes -> JSON object, or a 400 `invalid_json` in OpenAI's shape.
+
+Hostile bodies handled here rather than crashing the ingress:
+- not UTF-8 (JSON on the wire is UTF-8; json.loads would also guess UTF-16/32),
+- syntax errors,
+- nesting so deep that the parser recurses out of stack (`[[[[...` 20,000 levels
+  is a RecursionError inside json.loads),
+- nesting deeper than MAX_DEPTH: no chat request is that deep, and everything
+  after the parser (pydantic, logging, copies) would walk it recursively.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.errors import bad_request
+
+# A chat body is ~5 deep (body > messages > message > content > part > image_url);
+# client extras such as tool JSON schemas add some. 64 leaves ample room.
+MAX_DEPTH = 64
+
+
+def parse_json_body(raw: bytes | bytearray, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad_request(f"request body is not valid UTF-8 (byte {err.start})", code="invalid_json") from None
+    body = _loads(text, max_depth)
+    if _may_exceed(raw, max_depth) and _depth_exceeds(body, max_depth):
+        raise _too_deep(max_depth)
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _loads(text: str, max_depth: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        # err's message names only a position, never echoes the body.
+        raise bad_request(f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+
+
+def _too_deep(max_depth: int):
+    return bad_request(f"request body is nested deeper than {max_depth} levels", code="invalid_json")
+
+
+def _may_exceed(raw: bytes, max_depth: int) -> bool:
+    # Cheap (C-speed) bound: nesting needs at least that many opening brackets.
+    return raw.count(b"[") + raw.count(b"{") > max_depth
+
+
+def _depth_exceeds(value: Any, max_depth: int) -> bool:
+    """Level by level over non-empty containers: no recursion on hostile input,
+    and no per-node bookkeeping (a body of millions of `[]` stays cheap)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 1
+    while level:
+        children = [c for node in level for c in (node.values() if isinstance(node, dict) else node)
+                    if isinstance(c, (dict, list))]
+        if children and depth == max_depth:
+            return True
+        level = [c for c in children if c]  # an empty container adds no deeper level
+        depth += 1
+    return False

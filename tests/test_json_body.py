@@ -1,0 +1,93 @@
+"""Request body parsing: hostile JSON is a 400 invalid_json in OpenAI's shape, never a crash."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pipeline.errors import IrisError
+from pipeline.json_body import MAX_DEPTH, parse_json_body
+
+
+def invalid(raw: bytes) -> IrisError:
+    with pytest.raises(IrisError) as ei:
+        parse_json_body(raw)
+    err = ei.value
+    assert err.status_code == 400 and err.code == "invalid_json", err
+    assert err.to_dict() == {"error": {"message": err.message, "type": "invalid_request_error",
+                                       "param": None, "code": "invalid_json"}}
+    return err
+
+
+def nested(depth: int, kind: str = "list") -> bytes:
+    if kind == "list":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize("kind", ["list", "object"])
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 900, 20_000, 1_000_000])
+def test_deep_nesting_is_a_400(kind, depth):
+    # 20,000 levels used to be a RecursionError inside json.loads -> 500.
+    err = invalid(nested(depth, kind))
+    assert "nested deeper" in err.message
+
+
+def test_unclosed_deep_nesting_is_a_400():
+    invalid(b"[" * 100_000)
+    invalid(b'{"a":' * 100_000)
+
+
+def test_nesting_up_to_the_limit_is_accepted():
+    body = b'{"a":' + nested(MAX_DEPTH - 1) + b"}"
+    assert parse_json_body(body)["a"] == json.loads(nested(MAX_DEPTH - 1))
+    obj = nested(MAX_DEPTH, "object")
+    assert parse_json_body(obj)["a"]["a"]
+
+
+def test_many_brackets_but_shallow_is_accepted_and_cheap():
+    # Over MAX_DEPTH brackets in total triggers the depth walk; it must stay cheap.
+    body = b'{"m":[' + b",".join([b'{"t":[[]]}'] * 200_000) + b'],"s":"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}'
+    t0 = time.monotonic()
+    assert len(parse_json_body(body)["m"]) == 200_000
+    assert time.monotonic() - t0 < 5
+
+
+def test_typical_chat_body():
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "[[{{ not nesting, just text }}]]" * 50},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "uuid": "x"}]}]}
+    assert parse_json_body(json.dumps(body).encode()) == body
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": "\xe9"}',                      # Latin-1
+    b"\xff\xfe{\x00}\x00",                  # UTF-16 with BOM: json.loads(bytes) would accept it
+    '{"a": 1}'.encode("utf-32"),
+    b'{"a": "\xed\xa0\x80"}',              # UTF-8-encoded surrogate (invalid UTF-8)
+    b'{"a": "\xc0\xaf"}',                  # overlong encoding
+    b"\x80\x81\x82",
+])
+def test_non_utf8_body_is_a_400(raw):
+    assert "UTF-8" in invalid(raw).message
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b" ", b"{", b'{"a":}', b"{'a': 1}", b'{"a": 1,}', b"NaN x", b'{"a": 1} trailing', b"\x00",
+    '{"a": 1}'.encode("utf-16-le"),  # valid UTF-8 (NULs), not JSON
+    b'\xef\xbb\xbf{"a": 1}',  # UTF-8 BOM: not valid JSON text per RFC 8259 on the wire
+])
+def test_syntax_errors_are_a_400(raw):
+    invalid(raw)
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"1", b'"s"', b"null", b"true", b"[{}]"])
+def test_non_object_is_a_400(raw):
+    assert "JSON object" in invalid(raw).message
+
+
+def test_error_does_not_echo_the_body():
+    secret = b'{"messages": "SECRET' + b"x" * 1000
+    assert "SECRET" not in invalid(secret).message
