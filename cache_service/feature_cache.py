@@ -16,6 +16,12 @@ replica, the features are computed once:
 A failed or cancelled computation makes the callers that joined it compute
 for themselves, so each request only ever sees its own compute's errors.
 
+With `write_behind=True` a computed value is returned as soon as it is in L1;
+its Redis write and the lock release follow in a background task (in that
+order, so a waiting replica still sees the value before the lock goes). The
+serving path uses it: the request that computed the features gets them
+directly and should not wait on a multi-megabyte SET.
+
 Never raises because of Redis: when it is unreachable the cache serves L1 only
 (see redis_tier.py). Everything runs in one asyncio event loop; nothing here is
 thread-safe. Returned Features are shared with the cache: treat them as
@@ -100,6 +106,11 @@ class FeatureCache:
                 present[i] = exists
         return present
 
+    def remember(self, key: str, features: Features) -> None:
+        """Keep features in L1 only: they were handed over directly and whoever
+        computed them writes L2."""
+        self._l1.put(key, features.cpu(), in_l2=False)
+
     async def put_many(self, items: list[tuple[str, Features]]) -> list[bool]:
         """Store in L1 and L2; True where the value is now in L2."""
         stored = [False] * len(items)
@@ -182,16 +193,25 @@ class FeatureCache:
         if keys:
             await self._l2.delete_many(keys)
 
+    def _spawn(self, work: Awaitable) -> None:
+        """Run `work` in the background, strongly referenced until done (close() awaits it)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # -- single-flight --------------------------------------------------------
 
-    async def get_or_compute_many(self, keys: list[str], compute: Compute) -> list[ComputeResult]:
+    async def get_or_compute_many(
+        self, keys: list[str], compute: Compute, write_behind: bool = False
+    ) -> list[ComputeResult]:
         """Features for every key, computing the missing ones once cluster-wide.
 
         `compute(indexes)` gets indexes into `keys` (the first index of a key
         that appears more than once) and returns one Features per index. It is
         called at most twice: once for the keys this call locked, and again for
         keys whose wait on another caller timed out or whose computing caller
-        failed. Its exceptions propagate to the caller.
+        failed. Its exceptions propagate to the caller. With `write_behind`,
+        computed results have shared=False: their Redis write is still running.
         """
         results: list[ComputeResult | None] = [None] * len(keys)
         positions: dict[str, list[int]] = {}  # key -> its indexes in keys, for misses
@@ -203,7 +223,7 @@ class FeatureCache:
         if not positions:
             return results  # type: ignore[return-value]
 
-        flight = _Flight(self, positions, results, compute)
+        flight = _Flight(self, positions, results, compute, write_behind)
         try:
             await flight.run()
         finally:
@@ -220,8 +240,10 @@ class _Flight:
         positions: dict[str, list[int]],
         results: list[ComputeResult | None],
         compute: Compute,
+        write_behind: bool = False,
     ):
         self.cache = cache
+        self.write_behind = write_behind
         self.stats = cache._stats
         self.l2 = cache._l2
         self.positions = positions
@@ -274,9 +296,7 @@ class _Flight:
         if self.locked and self.l2 is not None:
             # Only after an error or a cancellation; released in the background
             # so a cancelled caller returns at once. The lock TTL is the backstop.
-            task = asyncio.ensure_future(self.l2.release_many(list(self.locked), self.token))
-            self.cache._background.add(task)
-            task.add_done_callback(self.cache._background.discard)
+            self.cache._spawn(self.l2.release_many(list(self.locked), self.token))
             self.locked.clear()
 
     def _resolve(
@@ -337,12 +357,28 @@ class _Flight:
         # The caller gets back what its compute returned (on its device); the
         # cache and other callers in this process get host copies.
         on_host = [f.cpu() for f in features]
+        if self.write_behind:
+            for key, host in zip(keys, on_host):
+                self.cache._l1.put(key, host, in_l2=False)  # local readers hit at once
+            locked = [k for k in keys if k in self.locked]
+            self.locked.difference_update(locked)  # the background task releases them
+            self.cache._spawn(self._store_then_release(list(zip(keys, on_host)), locked))
+            for key, f, host in zip(keys, features, on_host):
+                self._resolve(key, f, computed=True, shared=False, for_joiners=host)
+            return
         # Write the values before releasing the locks: a waiter that sees the
         # lock gone without a value takes over and computes again.
         shared = await self.cache.put_many(list(zip(keys, on_host)))
         for key, f, host, in_l2 in zip(keys, features, on_host, shared):
             self._resolve(key, f, computed=True, shared=in_l2, for_joiners=host)
         await self._release([k for k in keys if k in self.locked])
+
+    async def _store_then_release(self, items: list[tuple[str, Features]], locked: list[str]) -> None:
+        try:
+            await self.cache.put_many(items)
+        finally:
+            if locked:
+                await self.l2.release_many(locked, self.token)
 
     async def _wait_for_other_replicas(self, keys: list[str]) -> list[str]:
         """Poll until another replica's values appear; returns keys to compute ourselves."""

@@ -27,7 +27,7 @@ def build_app(args: dict | None = None) -> Application:
         raise ValueError(f"invalid Iris application args:\n{err}") from None
     _report_redis(config)
     encoder = VisionEncoder.bind(config)
-    preprocess = Preprocess.bind(config, encoder)
+    preprocess = Preprocess.bind(config)
     decode = LLMDecode.bind(config)
     return Ingress.bind(config, preprocess, encoder, decode)
 

@@ -36,6 +36,17 @@ class IrisConfig(BaseModel):
     encoder_batch_wait_s: float = Field(
         0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
     )
+    encoder_batch_max_tokens: int | None = Field(
+        16384, ge=1,
+        description="Most image tokens (encoder output tokens, summed over the batch) per vision-encoder "
+        "forward pass, so that a batch of large images cannot exhaust device memory; an image above it "
+        "runs alone. None batches by encoder_batch_size only.",
+    )
+    stream_interval_s: float = Field(
+        0.02, ge=0, le=1,
+        description="Token deltas produced within this interval travel to the client as one chunk "
+        "(the first token is sent at once); 0 sends every delta as it comes.",
+    )
     encoder_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the vision tower runs; auto picks cuda when a GPU is visible."
     )

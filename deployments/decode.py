@@ -1,11 +1,17 @@
-"""LLMDecode: vLLM AsyncLLM fed cached features as image embeddings.
+"""LLMDecode: vLLM AsyncLLM fed image features as embeddings.
 
+Features computed for this request arrive as object-store references (kept in
+this replica's L1 for the next request); other images are read from the cache.
 `multi_modal_uuids` are set to the cache keys, so vLLM's prefix cache knows an
 image it has seen before, whichever replica computed the features.
+
+Token deltas are merged into one chunk per `stream_interval_s` (the first is
+sent at once): one Ray message per token costs more than the token on a busy node.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -37,6 +43,7 @@ class LLMDecode:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
+        self.stream_interval_s = config.stream_interval_s
         self.cache = FeatureCache(config.cache)
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
@@ -48,7 +55,10 @@ class LLMDecode:
         from vllm.sampling_params import RequestOutputKind
 
         keys = request.image_keys
-        features = [request.inline_features.get(k) for k in keys]
+        delivered = dict(zip(request.delivered, await asyncio.gather(*request.delivered.values())))
+        for key, f in delivered.items():
+            self.cache.remember(key, f)
+        features = [delivered.get(k) for k in keys]
         lookup = [k for k, f in zip(keys, features) if f is None]
         if lookup:
             found = dict(zip(lookup, await self.cache.get_many(lookup)))
@@ -78,10 +88,12 @@ class LLMDecode:
         )
         completion_tokens = 0
         try:
-            async for out in self.engine.generate(engine_prompt, params, request.request_id):
-                completion = out.outputs[0]
-                completion_tokens += len(completion.token_ids)
-                chunk = DecodeChunk(text=completion.text, finish_reason=completion.finish_reason)
+            async for outs in _merged(self.engine.generate(engine_prompt, params, request.request_id),
+                                      self.stream_interval_s):
+                out = outs[-1]
+                completion_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                chunk = DecodeChunk(text="".join(o.outputs[0].text for o in outs),
+                                    finish_reason=out.outputs[0].finish_reason)
                 if out.finished:
                     chunk.prompt_tokens = len(out.prompt_token_ids or [])
                     chunk.completion_tokens = completion_tokens
@@ -93,6 +105,9 @@ class LLMDecode:
                 yield chunk
         except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt", "param": "messages"})
+
+    def stats(self) -> dict:
+        return {"cache": self.cache.stats()}
 
     def _check_length(self, token_ids: list[int], features: list, max_tokens: int | None) -> str | None:
         """vLLM would silently cut max_tokens; OpenAI (and `vllm serve`) answer 400 instead."""
@@ -114,3 +129,44 @@ class LLMDecode:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+_END = object()
+
+
+async def _merged(outputs: AsyncIterator, interval_s: float) -> AsyncIterator[list]:
+    """Engine outputs in lists: the first alone at once, then whatever arrived
+    while the previous list was sent, at most one list per `interval_s`."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump():
+        try:
+            async for out in outputs:
+                queue.put_nowait(out)
+            queue.put_nowait(_END)
+        except Exception as err:  # e.g. vLLM's input validation: re-raised to the consumer
+            queue.put_nowait(err)
+
+    task = asyncio.ensure_future(pump())
+    last_sent = None
+    try:
+        while True:
+            batch = [await queue.get()]
+            if last_sent is not None and batch[-1] is not _END and not isinstance(batch[-1], Exception):
+                wait = last_sent + interval_s - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            end = batch[-1] is _END or isinstance(batch[-1], Exception)
+            outs = batch[:-1] if end else batch
+            if outs:
+                yield outs
+                last_sent = loop.time()
+            if end:
+                if isinstance(batch[-1], Exception):
+                    raise batch[-1]
+                return
+    finally:
+        task.cancel()  # the client went away: cancelling generate() aborts the request in vLLM

@@ -1,14 +1,18 @@
 """VisionEncoder: the vision tower + projector only, batched across requests.
 
-Writes each image's features into the cache through single-flight (one
-computation per key cluster-wide) and returns keys and metadata, not tensors.
+Computes each image's features through the cache's single-flight (one
+computation per key cluster-wide), puts them in Ray's object store for the
+decoder and returns a reference; the Redis write runs behind (write_behind),
+off the request's time to first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
+import ray
 import torch
 from ray import serve
 from ray.serve import metrics
@@ -16,10 +20,17 @@ from ray.serve import metrics
 from cache_service.feature_cache import FeatureCache
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
+from pipeline.errors import IrisError
 from pipeline.families import PixelInputs, adapter_for
 from pipeline.fingerprint import model_fingerprint
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import EncodedImage
+
+
+@dataclass
+class _Queued:
+    pixels: PixelInputs
+    cost: int  # in the batch's budget units (see __init__)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -37,7 +48,11 @@ class VisionEncoder:
         self.fingerprint = model_fingerprint(self.adapter, {"dtype": dtype_name})
         self.cache = FeatureCache(config.cache)
         self.cache_metrics = CacheMetrics(self.cache)
-        self._forward.set_max_batch_size(config.encoder_batch_size)
+        # Batch cost units make one limit do two jobs: with a token budget T and a
+        # count N, an image costs max(min(tokens, T) * N, T) of N * T, so a batch
+        # holds at most N images and about T tokens (an image above T runs alone).
+        self.max_tokens, self.max_images = config.encoder_batch_max_tokens, config.encoder_batch_size
+        self._forward.set_max_batch_size(self.max_images * (self.max_tokens or 1))
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
         self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
                                             "forward pass", boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
@@ -48,22 +63,29 @@ class VisionEncoder:
     def get_fingerprint(self) -> str:
         return self.fingerprint
 
-    async def encode(self, key: str, pixels: PixelInputs, inline: bool = False) -> EncodedImage:
-        """Features for `key`, computed at most once cluster-wide; the tensors come back
-        only when `inline` or when they could not be shared through Redis."""
+    async def encode(self, key: str, pixels: PixelInputs | IrisError) -> EncodedImage | IrisError:
+        """Features for `key` as an object-store reference. `pixels` is Preprocess's result
+        (Serve resolves the pending response the ingress passed); its client error passes through."""
+        if isinstance(pixels, IrisError):
+            return pixels
+
+        if self.max_tokens is None:
+            cost = 1
+        else:
+            cost = max(min(pixels.num_tokens, self.max_tokens) * self.max_images, self.max_tokens)
+
         async def compute(_indexes: list[int]):
-            return [await self._forward(pixels)]
+            return [await self._forward(_Queued(pixels, cost))]
 
-        (result,) = await self.cache.get_or_compute_many([key], compute)
+        (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()
-        send = inline or not result.shared
-        return EncodedImage(index=-1, key=key, num_tokens=int(result.features.meta.get("num_tokens", pixels.num_tokens)),
-                            features=result.features.cpu() if send else None)
+        features = result.features.cpu()
+        return EncodedImage(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def _forward(self, batch: list[PixelInputs]):
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda q: sum(i.cost for i in q))
+    async def _forward(self, batch: list[_Queued]):
         start = time.perf_counter()
-        features = await asyncio.to_thread(self.adapter.encode, batch)
+        features = await asyncio.to_thread(self.adapter.encode, [q.pixels for q in batch])
         self.batch_seconds.observe(time.perf_counter() - start)
         self.batch_size.observe(len(batch))
         self.images_encoded += len(batch)

@@ -4,26 +4,29 @@ Per request: parse and validate, fetch image bytes, compute cache keys, ask the
 cache which are present, send only the misses to Preprocess -> VisionEncoder,
 then stream the answer from LLMDecode. Upload-free images (uuid only) that are
 not cached end the request with 409 `mm_cache_miss` before any work is done.
+
+Single-flight: concurrent requests with the same new image share one
+Preprocess + VisionEncoder run. Keys this replica saw computed or present are
+remembered (`_known`), so a repeated image costs no presence check; should one
+be gone by the time LLMDecode reads it, the decode says so and the ingress
+recomputes it (or answers 409 for an upload-free image).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
-from cache_service.codec import Features
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, uuid_key
 from deployments.config import IrisConfig
@@ -34,12 +37,14 @@ from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
 from pipeline.json_body import parse_json_body
 from pipeline.media import fetch_client, load_image_bytes
-from pipeline.stage_io import DecodeChunk, DecodeRequest, ImageJob
+from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
 
+
+JSON_IN_THREAD_BYTES = 256 * 1024
 
 # Helpers come before the class: @serve.ingress pickles the FastAPI app at class
 # definition, so names defined after it would be missing in the replicas.
@@ -52,20 +57,30 @@ async def _json_body(request: Request, max_bytes: int) -> dict:
         raw += piece
         if len(raw) > max_bytes:
             raise _too_large(max_bytes)
-    return parse_json_body(raw)  # 400 invalid_json for bad UTF-8, syntax or nesting
+    # 400 invalid_json for bad UTF-8, syntax or nesting; a large body parses in a
+    # thread, so it does not stall the streams on this replica.
+    if len(raw) >= JSON_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw)
+    return parse_json_body(raw)
 
 
 def _too_large(max_bytes: int) -> IrisError:
     return IrisError(f"request body larger than {max_bytes} bytes", status_code=413, code="request_too_large")
 
 
+# Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see _start_decode).
+KNOWN_KEYS = 100_000
+# Images at least this large are hashed in a thread; below, the thread hop costs more than the hash.
+HASH_IN_THREAD_BYTES = 256 * 1024
+
+
 @dataclass
 class RequestImages:
     keys: list[str]  # cache key per image, in request order
     datas: list[bytes | None]  # uploaded bytes per image; None when sent by uuid only
-    inline: dict[str, Features] = field(default_factory=dict)  # features not retrievable from the cache
-    cached: int = 0  # distinct images found in the cache
-    computed: int = 0  # distinct images sent to Preprocess + VisionEncoder
+    delivered: dict = field(default_factory=dict)  # key -> ObjectRef of features computed for this request
+    cached: int = 0  # distinct images found in the cache (or computed by a concurrent request)
+    computed: int = 0  # distinct images sent to Preprocess + VisionEncoder by this request
 
 
 def _cache_miss(indexes: list[int]) -> IrisError:
@@ -102,6 +117,8 @@ class Ingress:
         self.cache_metrics = CacheMetrics(self.cache)
         self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
+        self._inflight: dict[str, asyncio.Task[EncodedImage]] = {}  # key -> its running encode
+        self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
         # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)
         self.counts: Counter[str] = Counter()
@@ -163,46 +180,84 @@ class Ingress:
         if not chat.images:
             return RequestImages([], [])
         fingerprint = await self._get_fingerprint()
-        namespace = self.config.cache.namespace
         datas = list(await asyncio.gather(*(
             load_image_bytes(img.url, self.config.media, self.http, param=f"image[{img.index}]")
             if img.url is not None else _none() for img in chat.images)))
-        keys = []
-        for img, data in zip(chat.images, datas):
-            try:
-                keys.append(uuid_key(fingerprint, tenant, img.uuid, namespace) if img.uuid
-                            else content_key(fingerprint, data, namespace))
-            except ValueError as err:
-                raise bad_request(str(err), param=f"image[{img.index}].uuid", code="invalid_uuid") from err
+        keys = [await self._key(fingerprint, tenant, img, data) for img, data in zip(chat.images, datas)]
         images = RequestImages(keys, datas)
         unique = list(dict.fromkeys(keys))
-        present = dict(zip(unique, await self.cache.contains_many(unique)))
+        unknown = [k for k in unique if k not in self._known and k not in self._inflight]
+        present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
         self.cache_metrics.export()
-        missing = [img.index for img, key in zip(chat.images, keys) if img.url is None and not present[key]]
+        missing = [img.index for img, key in zip(chat.images, keys)
+                   if img.url is None and key in present and not present[key]]
         if missing:
             raise _cache_miss(missing)
-        misses = [key for key in unique if not present[key]]
-        if misses:
-            await self._encode(images, misses)
-        images.cached = len(unique) - len(misses)
-        for source, n in (("cached", images.cached), ("computed", len(misses))):
+        for key in unknown:
+            if present[key]:
+                self._remember(key)
+        to_compute = [k for k in unknown if not present[k]]
+        await self._encode(images, to_compute, joined=[k for k in unique if k in self._inflight
+                                                       and k not in to_compute])
+        images.cached = len(unique) - images.computed
+        for source, n in (("cached", images.cached), ("computed", images.computed)):
             if n:
                 self.images.inc(n, tags={"source": source})
                 self.counts[f"images_{source}"] += n
         return images
 
-    async def _encode(self, images: RequestImages, keys: list[str], inline: bool = False) -> None:
-        """Preprocess + encode the images with these keys (each once); features that
-        could not be shared through the cache (or all, with `inline`) land in `images.inline`."""
-        jobs = []
-        for key in keys:
-            index = images.keys.index(key)
-            jobs.append(ImageJob(index, key, images.datas[index]))
-        result = await self.preprocess.encode_images.remote(jobs, inline)
-        if isinstance(result, IrisError):
-            raise result
-        images.computed += len(jobs)
-        images.inline.update({r.key: r.features for r in result if r.features is not None})
+    async def _key(self, fingerprint: str, tenant: str, img, data: bytes | None) -> str:
+        namespace = self.config.cache.namespace
+        try:
+            if img.uuid:
+                return uuid_key(fingerprint, tenant, img.uuid, namespace)
+        except ValueError as err:
+            raise bad_request(str(err), param=f"image[{img.index}].uuid", code="invalid_uuid") from err
+        if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
+            return await asyncio.to_thread(content_key, fingerprint, data, namespace)
+        return content_key(fingerprint, data, namespace)
+
+    def _remember(self, key: str) -> None:
+        if not self.cache.redis_available:
+            return  # features live in some replica's memory only: ask every time (a 409 stays a 409)
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    async def _encode(self, images: RequestImages, keys: list[str], joined: list[str] = ()) -> None:
+        """Preprocess + encode the images with these keys, each once across concurrent requests;
+        `joined` keys are being computed for another request: wait for those. The features'
+        references land in `images.delivered`."""
+        joined, own = list(joined), []
+        for key in keys:  # another request may have started or finished a key while we awaited
+            if key in self._inflight:
+                joined.append(key)
+            elif key not in self._known:
+                index = images.keys.index(key)
+                self._inflight[key] = asyncio.ensure_future(self._encode_one(ImageJob(index, key, images.datas[index])))
+                own.append(key)
+        names = own + joined
+        # shield: a request that times out or disconnects must not cancel the work others share.
+        results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in names), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        images.computed += len(own)
+        images.delivered.update({r.key: r.features_ref for r in results})
+
+    async def _encode_one(self, job: ImageJob) -> EncodedImage:
+        try:
+            # Serve passes Preprocess's pending result into the encoder call (model composition):
+            # the pixels go through the object store, and Preprocess is free once they are made.
+            pixels = self.preprocess.pixels.remote(job)
+            result = await self.encoder.encode.remote(job.key, pixels)
+            if isinstance(result, IrisError):
+                raise result
+            self._remember(job.key)
+            return result
+        finally:
+            del self._inflight[job.key]
 
     # --- decode ---------------------------------------------------------------
     async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str, start: float):
@@ -210,7 +265,7 @@ class Ingress:
         become a proper status code even for streaming requests."""
         messages = template_messages(chat)
         for attempt in range(2):
-            request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.inline)
+            request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered)
             stream = self.decode.options(stream=True).generate.remote(request)
             first: DecodeChunk = await stream.__anext__()
             if first.error:
@@ -218,15 +273,19 @@ class Ingress:
             if not first.missing_keys:
                 self.ttft.observe(time.perf_counter() - start)
                 return _prepend(first, stream)
-            # Evicted between our presence check and the decode's read: recompute the
-            # ones we have bytes for and pass them inline; uuid-only ones are a miss.
+            # Evicted since we saw it (or our memory of it was stale): recompute the ones
+            # we have bytes for and hand them over directly; uuid-only ones are a miss.
             gone = set(first.missing_keys)
+            for key in gone:
+                self._known.pop(key, None)
             upload_free = [i for i, (key, data) in enumerate(zip(images.keys, images.datas))
                            if key in gone and data is None]
             if upload_free:
                 raise _cache_miss(upload_free)
             if attempt == 0:
-                await self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone], inline=True)
+                await asyncio.wait_for(
+                    self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone]),
+                    self.config.request_timeout_s)
         raise IrisError("image features could not be delivered to the decoder", status_code=503,
                         code="features_unavailable")
 

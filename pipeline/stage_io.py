@@ -1,12 +1,15 @@
 """What the serving stages hand to one another (plain dataclasses, pickled by Ray).
 
 Ingress -> Preprocess: `ImageJob` (bytes of an image whose features are not cached).
-Preprocess -> VisionEncoder: the key and the family's `PixelInputs`.
-VisionEncoder -> Ingress: `EncodedImage`, i.e. the key and metadata; the tensors
-  travel only when they could not be stored cluster-wide (Redis down or value
-  too large), so that the request still succeeds.
-Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images.
-LLMDecode -> Ingress: `DecodeChunk`s.
+Preprocess -> VisionEncoder: the family's `PixelInputs` (or the client error
+  preprocessing ended in), passed by the ingress as Preprocess's pending response
+  (Serve model composition: the pixels go through the object store, not the ingress).
+VisionEncoder -> Ingress: `EncodedImage`, i.e. the key, metadata and a reference
+  to the features in Ray's object store (not the tensors themselves).
+Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images, plus the
+  references of features computed for this request: the decoder takes those
+  directly, while the Redis write runs behind the response.
+LLMDecode -> Ingress: `DecodeChunk`s (several token deltas merged per chunk).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_service.codec import Features
 from pipeline.chat_request import SamplingOptions
 
 
@@ -27,10 +29,9 @@ class ImageJob:
 
 @dataclass
 class EncodedImage:
-    index: int
     key: str
     num_tokens: int
-    features: Features | None = None  # set only when not retrievable from the cache
+    features_ref: Any  # a Ray ObjectRef of the `Features` (pipeline/ itself knows nothing of Ray)
 
 
 @dataclass
@@ -39,7 +40,8 @@ class DecodeRequest:
     messages: list[dict[str, Any]]  # chat-template messages, one {"type": "image"} part per image
     image_keys: list[str]  # one per image part, in prompt order
     sampling: SamplingOptions
-    inline_features: dict[str, Features] = field(default_factory=dict)
+    # key -> ObjectRef of Features computed for this request; other keys are read from the cache.
+    delivered: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

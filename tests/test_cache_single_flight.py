@@ -129,3 +129,18 @@ async def test_value_written_between_miss_and_claim_is_used(make_cache, namespac
     assert compute.calls == [] and not result.computed and result.shared
     assert result.features.meta["seed"] == 7
     assert raw_redis.exists(key + ":lock") == 0  # the lock taken by the claim was released
+
+
+async def test_write_behind_returns_before_redis_and_replicas_still_compute_once(make_cache, namespace, raw_redis):
+    key = content_key(FINGERPRINT, b"write behind", namespace)
+    caches = [make_cache() for _ in range(4)]
+    compute = CountingCompute(delay=0.2)
+    results = await asyncio.gather(*(c.get_or_compute_many([key], compute, write_behind=True) for c in caches))
+    assert len(compute.calls) == 1
+    [owner] = [r for [r] in results if r.computed]
+    assert not owner.shared  # its Redis write was still running when it returned
+    for [r] in results:
+        assert_same_features(make_features(42), r.features)
+    for c in caches:
+        await c.close()  # waits for the background write and lock release
+    assert raw_redis.exists(key) and not raw_redis.exists(key + ":lock")

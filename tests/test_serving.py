@@ -175,6 +175,29 @@ def test_same_image_twice_in_one_request_is_encoded_once(app):
     assert _work_counts(name) == (before[0] + 1, before[1] + 1)
 
 
+def test_concurrent_burst_preprocesses_and_encodes_each_new_image_once(app):
+    """Single-flight: 30 concurrent requests over 6 new images run Preprocess and VisionEncoder
+    exactly once per distinct image."""
+    import asyncio
+
+    _, base, name = app
+    urls = [data_url(_unique_png()) for _ in range(6)]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            bodies = [{"messages": [{"role": "user", "content": [_image_part(url), {"type": "text", "text": "hi"}]}],
+                       "max_tokens": 2, "temperature": 0} for url in urls * 5]
+            return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
+
+    before = _work_counts(name)
+    replies = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    preprocessed, encoded = (after - b for after, b in zip(_work_counts(name), before))
+    assert preprocessed / len(urls) == 1.0 and encoded / len(urls) == 1.0
+    computed = sum(int(r.headers["x-iris-images"].split("computed=")[1]) for r in replies)
+    assert computed == len(urls)
+
+
 def test_openai_client_streaming_and_not(app):
     from openai import OpenAI
 
