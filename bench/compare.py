@@ -9,6 +9,7 @@ Iris / peer are computed within the run.
     .venv/bin/python bench/compare.py --quick        # < 10 min: Iris, Ray Serve LLM, vllm serve; 1 replica
     .venv/bin/python bench/compare.py                # the full matrix (about an hour on 2 CPU cores)
     .venv/bin/python bench/compare.py --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
+    .venv/bin/python bench/compare.py --quick --profile after --name profile_run   # py-spy every process
 
 Writes bench/results/<name>.json (every summary, the git commit and the command),
 <name>.md (the tables) and <name>_*.png (plots); <name> is `compare` or
@@ -36,9 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import report, systems, vllm_bench  # noqa: E402
 from bench.harness.client import LoadClient  # noqa: E402
+from bench.harness.profiler import Profiler  # noqa: E402
 from bench.harness.workloads import ImageSpec, WorkloadFactory, hash_str  # noqa: E402
 
 SWEEP_WORKLOAD = "zipf"
+PROFILED_POINTS = ("unique-c1", "repeat-c1")  # a new image and a cached one, one request at a time
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def image_prompt_chars(checkpoint: str, small_px: int) -> int:
 
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
-            tokenizer: str) -> dict:
+            tokenizer: str, profiler: Profiler | None = None) -> dict:
     if point.workload == "random_mm":
         if len(system.base_urls) > 1:
             return {"skipped": "vllm bench serve drives one server; no load balancer in front of these"}
@@ -123,13 +126,19 @@ def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFa
                                factory.prompt_words, factory.max_tokens).build(point.workload, point.n, **options)
     client = LoadClient(system.base_urls, systems.SERVED_NAME)
     before = system.counters()
-    if point.concurrency:
-        records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
-    else:
-        records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
+    profiling = profiler is not None and point.name in PROFILED_POINTS
+    if profiling:
+        profiler.start([p.pid for p in system.procs], f"{system.name}-{system.replicas}_{point.name}")
+    try:
+        if point.concurrency:
+            records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
+        else:
+            records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
+    finally:
+        profiles = [p.name for p in profiler.stop()] if profiling else []
     counters = system.counters().minus(before)
     summary = report.summarize(records, duration, workload.distinct_images, counters)
-    return {"summary": summary, "description": workload.description}
+    return {"summary": summary, "description": workload.description, **({"profiles": profiles} if profiles else {})}
 
 
 def warm_up(system: systems.RunningSystem, factory: WorkloadFactory) -> dict:
@@ -159,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="output name under --out-dir (default: compare or compare_quick)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--profile", metavar="TAG", help=f"py-spy every serving process during {PROFILED_POINTS}; "
+                        "summaries in --out-dir as profile_TAG_*.txt (sampling costs CPU: not for reported runs)")
     return parser.parse_args(argv)
 
 
@@ -200,6 +211,7 @@ def run_comparison(args, command: str) -> dict:
            "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+    profiler = Profiler(out_dir, args.profile) if args.profile else None
     combos = [(s, r) for r in replica_counts for s in names if not (s == "rayllm-affinity" and r == 1)]
     t0 = time.monotonic()
     bar = tqdm(total=len(combos) * len(plan), unit="point", dynamic_ncols=True)
@@ -221,7 +233,7 @@ def run_comparison(args, command: str) -> dict:
                 for point in plan:
                     bar.set_description(f"{system_name} x{replicas}: {point.name}")
                     try:
-                        result = measure(system, point, factory, args, image_chars, checkpoint)
+                        result = measure(system, point, factory, args, image_chars, checkpoint, profiler)
                     except Exception as err:
                         result = {"skipped": f"error: {err}"[-1000:]}
                     run["results"].append({"system": system_name, "replicas": replicas, "point": point.name,

@@ -8,6 +8,9 @@
                      one that hits it is served from the prefix cache or re-encoded
                      only if its KV blocks were evicted (rare at these sizes).
     preprocess_runs  Iris only: images through Preprocess.
+    stage_seconds    Iris only: (sum, count) of its stage histograms, for a mean per
+                     stage: preprocess (one image), encoder batch (one forward pass),
+                     ttft (ingress arrival to first token, server side).
     prefix           per replica, (prompt tokens served from vLLM's prefix cache,
                      prompt tokens looked up). Iris: its own per-replica counters;
                      peers: vLLM's `prefix_cache_hits` / `prefix_cache_queries`.
@@ -32,17 +35,28 @@ class Counters:
     encoder_runs: float = 0.0
     preprocess_runs: float | None = None
     prefix: dict[str, list[float]] = field(default_factory=dict)  # replica -> [hit tokens, queried tokens]
+    stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # stage -> [sum, count]
 
     def minus(self, before: "Counters") -> "Counters":
-        prefix = {}
-        for replica, (hits, queries) in self.prefix.items():
-            b_hits, b_queries = before.prefix.get(replica, (0.0, 0.0))
-            prefix[replica] = [hits - b_hits, queries - b_queries]
+        prefix = {r: _sub(v, before.prefix.get(r, [0.0, 0.0])) for r, v in self.prefix.items()}
+        stages = {s: _sub(v, before.stage_seconds.get(s, [0.0, 0.0])) for s, v in self.stage_seconds.items()}
         pre = None if self.preprocess_runs is None else self.preprocess_runs - (before.preprocess_runs or 0.0)
-        return Counters(self.encoder_runs - before.encoder_runs, pre, prefix)
+        return Counters(self.encoder_runs - before.encoder_runs, pre, prefix, stages)
+
+    def stage_means_ms(self) -> dict[str, float]:
+        return {s: 1000 * total / n for s, (total, n) in sorted(self.stage_seconds.items()) if n}
 
     def prefix_hit_rates(self) -> dict[str, float | None]:
         return {r: (h / q if q else None) for r, (h, q) in sorted(self.prefix.items())}
+
+
+def _sub(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b)]
+
+
+# Iris's stage histograms: stage name -> metric base name.
+IRIS_STAGES = {"preprocess": "ray_iris_preprocess_seconds", "encoder_batch": "ray_iris_encoder_batch_seconds",
+               "ttft_server": "ray_iris_ttft_seconds"}
 
 
 def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -89,6 +103,10 @@ def scrape(system: str, urls: list[str]) -> Counters:
                                          and labels.get("deployment") == "VisionEncoder")
             counters.preprocess_runs = (counters.preprocess_runs or 0.0) + _total(
                 samples, "ray_iris_preprocess_seconds_count")
+            for stage, base in IRIS_STAGES.items():
+                total = counters.stage_seconds.setdefault(stage, [0.0, 0.0])
+                total[0] += _total(samples, f"{base}_sum")
+                total[1] += _total(samples, f"{base}_count")
             hits_name = _first_present(samples, "ray_iris_vllm_prefix_cache_hit_tokens_total",
                                        "ray_iris_vllm_prefix_cache_hit_tokens")
             queries_name = _first_present(samples, "ray_iris_vllm_prompt_tokens_total", "ray_iris_vllm_prompt_tokens")

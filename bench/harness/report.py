@@ -49,6 +49,8 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
             summary["preprocess_runs_per_distinct_image"] = (counters.preprocess_runs / distinct_images
                                                              if distinct_images else None)
         summary["prefix_hit_rate_by_replica"] = counters.prefix_hit_rates()
+        if counters.stage_seconds:
+            summary["stage_mean_ms"] = counters.stage_means_ms()
     return summary
 
 
