@@ -140,11 +140,6 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
 
     rows.append(summarise(f"{label} L2 get batch of 8", 8 * nbytes, await time_async(l2_get_batch, max(10, args.iters // 4))))
 
-    # The same reads through redis-py (hiredis parser if installed) instead of
-    # the copy-once GET client, for comparison only.
-    bulk, l2._l2._bulk = l2._l2._bulk, None
-    rows.append(summarise(f"{label} L2 get via redis-py", nbytes, await time_async(l2_get, args.iters)))
-    l2._l2._bulk = bulk
     stats = l2.stats()
     assert stats["degraded_transitions"] == 0, "Redis went degraded during the benchmark"
     await l2.close()

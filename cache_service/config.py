@@ -41,16 +41,14 @@ class CacheConfig(BaseModel):
     redis_timeout_s: float = Field(
         0.25,
         gt=0,
-        description="How long Redis may stay silent while it owes a reply before the cache goes "
-        "degraded. Value transfers (GET/SET) time out only on that much silence; other commands, "
-        "all small, go through redis-py, whose timeout counts per reply.",
+        description="How long one reply may take (one value's, for GET/SET of values, which are "
+        "pipelined per value) before the cache goes degraded.",
     )
     redis_pool_size: int = Field(
         16,
         ge=1,
         le=1024,
-        description="Concurrent Redis commands per FeatureCache; each of its two clients "
-        "(redis-py, and the value client of redis_bulk.py) keeps at most this many connections.",
+        description="Concurrent Redis commands per FeatureCache, and the size of its connection pool.",
     )
     lock_ttl_s: float = Field(
         30.0,

@@ -1,12 +1,12 @@
 """L2: Redis as the cluster-wide tier, with degraded mode when it is unreachable.
 
 Every method handles all the keys it is given in pipelines (one round trip,
-or a few for large values: see redis_bulk.py), and returns None instead of
+or a few for large values: see set_many), and returns None instead of
 raising when Redis cannot be used: the cache is an optimisation, so a Redis
 failure turns into a miss, never into a failed request.
 
-Degraded mode: a connection error, or Redis silent for `redis_timeout_s` while
-it owes a reply, marks Redis unavailable. Then every method returns None at once (no waiting
+Degraded mode: a connection error, or a reply (one value's, for values) that
+takes longer than `redis_timeout_s`, marks Redis unavailable. Then every method returns None at once (no waiting
 on a dead server per request), one warning is logged, and a background task
 pings Redis with exponential backoff (`backoff_initial_s` doubling up to
 `backoff_max_s`) until it answers; the tier then becomes available again.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -41,14 +42,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cache_service import redis_bulk
 from cache_service.config import CacheConfig
 from cache_service.stats import CacheStats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Buffer = redis_bulk.Buffer
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+# Values are SET in pipelines of at most this many bytes: redis-py sends a whole
+# pipeline under one socket timeout, so one pipeline of many large values could
+# time out under CPU load although Redis is healthy.
+PIPELINE_BYTES = 10 << 20
 
 # Errors that mean "Redis is unreachable or too slow": they switch to degraded
 # mode. Other RedisErrors (e.g. OOM under noeviction) fail one command only.
@@ -91,12 +95,6 @@ class RedisTier:
             client_name="iris-feature-cache",
         )
         self._client = Redis(connection_pool=self._pool)
-        # Values move through the copy-once client where the URL allows (not TLS).
-        self._bulk = (
-            redis_bulk.BulkClient(config.redis_url, config.redis_connect_timeout_s, config.redis_timeout_s)
-            if redis_bulk.supports(config.redis_url)
-            else None
-        )
         # Commands queue here rather than exceed the pool, which would raise.
         self._slots = asyncio.Semaphore(config.redis_pool_size)
         self._available = True
@@ -111,9 +109,6 @@ class RedisTier:
     # -- values ---------------------------------------------------------------
 
     async def get_many(self, keys: Sequence[str]) -> list[Buffer | None] | None:
-        if self._bulk is not None:
-            return await self._run("GET", lambda: self._bulk.get_many(keys))
-
         # A pipeline of GETs rather than one MGET: redis-py's reply timeout
         # then applies per value, so a batch of large values cannot trip it.
         async def command() -> list[bytes | None]:
@@ -126,10 +121,12 @@ class RedisTier:
 
     async def set_many(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list[bool] | None:
         async def command() -> list[bool]:
-            if self._bulk is not None:
-                replies = await self._bulk.set_many(items, ttl_ms)
-            else:
-                replies = await self._set_with_redis_py(items, ttl_ms)
+            replies: list = []
+            for group in groups_by_size([memoryview(v).nbytes for _, v in items], PIPELINE_BYTES):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for i in group:
+                        pipe.set(items[i][0], items[i][1], px=ttl_ms)
+                    replies += await pipe.execute(raise_on_error=False)
             failed = [r for r in replies if isinstance(r, Exception)]
             if failed:
                 self._stats.l2_errors += len(failed)
@@ -137,17 +134,6 @@ class RedisTier:
             return [r is True for r in replies]
 
         return await self._run("SET", command)
-
-    async def _set_with_redis_py(self, items: Sequence[tuple[str, Buffer]], ttl_ms: int) -> list:
-        # In size-bounded pipelines: redis-py sends a whole pipeline under one
-        # socket timeout, so one pipeline of many large values could time out.
-        replies: list = []
-        for group in redis_bulk.groups_by_size([memoryview(v).nbytes for _, v in items], redis_bulk.PIPELINE_BYTES):
-            async with self._client.pipeline(transaction=False) as pipe:
-                for i in group:
-                    pipe.set(items[i][0], items[i][1], px=ttl_ms)
-                replies += await pipe.execute(raise_on_error=False)
-        return replies
 
     async def exists_many(self, keys: Sequence[str]) -> list[bool] | None:
         async def command() -> list[bool]:
@@ -211,8 +197,6 @@ class RedisTier:
 
     async def close(self) -> None:
         self._closed = True
-        if self._bulk is not None:
-            self._bulk.close()
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
             try:
@@ -268,8 +252,6 @@ class RedisTier:
         while not self._closed:
             await asyncio.sleep(delay)
             # Connections pooled before the outage point at a dead socket.
-            if self._bulk is not None:
-                self._bulk.close()
             try:
                 await self._pool.disconnect(inuse_connections=False)
             except Exception:
@@ -285,3 +267,16 @@ class RedisTier:
             self._stats.reconnects += 1
             logger.warning("redis reachable again; shared feature cache restored")
             return
+
+
+def groups_by_size(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Indexes into sizes, in order, grouped so each group adds up to at most budget (or is one item)."""
+    groups: list[list[int]] = []
+    total = budget + 1
+    for i, size in enumerate(sizes):
+        if total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
