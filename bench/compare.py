@@ -63,15 +63,14 @@ class LoadPoint:
 
 
 FULL = [
-    LoadPoint("unique", 20, concurrency=1), LoadPoint("unique", 40, concurrency=4),
-    LoadPoint("repeat", 20, concurrency=1),
-    LoadPoint("text_as_image", 20, concurrency=1), LoadPoint("text", 20, concurrency=1),
-    LoadPoint("text", 40, concurrency=4),
-    LoadPoint("zipf", 30, concurrency=1, sweep=True), LoadPoint("zipf", 40, concurrency=2, sweep=True),
-    LoadPoint("zipf", 60, concurrency=4, sweep=True), LoadPoint("zipf", 80, concurrency=8, sweep=True),
-    LoadPoint("zipf", 40, rate=4), LoadPoint("zipf", 60, rate=8),
-    LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 40, concurrency=4),
-    LoadPoint("large", 6, concurrency=1), LoadPoint("large", 8, concurrency=2),
+    LoadPoint("unique", 16, concurrency=1), LoadPoint("unique", 32, concurrency=4),
+    LoadPoint("repeat", 16, concurrency=1),
+    LoadPoint("text_as_image", 16, concurrency=1), LoadPoint("text", 16, concurrency=1),
+    LoadPoint("zipf", 24, concurrency=1, sweep=True), LoadPoint("zipf", 48, concurrency=4, sweep=True),
+    LoadPoint("zipf", 64, concurrency=8, sweep=True), LoadPoint("zipf", 32, rate=4),
+    LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 32, concurrency=4),
+    LoadPoint("large", 5, concurrency=1),
+    # vLLM's own client, as in issue 8: 60 requests, concurrency 4, then the same images again.
     LoadPoint("random_mm", 60, concurrency=4), LoadPoint("random_mm", 60, concurrency=4, options={"again": True}),
 ]
 QUICK = [
