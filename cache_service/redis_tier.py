@@ -79,8 +79,9 @@ class RedisTier:
         assert config.redis_url is not None
         self._config = config
         self._stats = stats
+        url = config.connect_url()
         self._pool = ConnectionPool.from_url(
-            config.redis_url,
+            url,
             max_connections=config.redis_pool_size,
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_connect_timeout_s,
@@ -93,8 +94,8 @@ class RedisTier:
         self._client = Redis(connection_pool=self._pool)
         # Values move through the copy-once client where the URL allows (not TLS).
         self._bulk = (
-            redis_bulk.BulkClient(config.redis_url, config.redis_connect_timeout_s, config.redis_timeout_s)
-            if redis_bulk.supports(config.redis_url)
+            redis_bulk.BulkClient(url, config.redis_connect_timeout_s, config.redis_timeout_s)
+            if redis_bulk.supports(url)
             else None
         )
         # Commands queue here rather than exceed the pool, which would raise.
