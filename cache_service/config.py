@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
+from urllib.parse import quote
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.keys import DEFAULT_NAMESPACE
 
 GiB = 1 << 30
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MiB = 1 << 20
 
 
@@ -16,7 +21,8 @@ class CacheConfig(BaseModel):
     redis_url: str | None = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis for the cluster-wide tier (redis://, rediss:// or unix://). "
-        "None runs the cache on the in-process tier only.",
+        "None runs the cache on the in-process tier only. ${NAME} is replaced where Iris connects "
+        "by that environment variable, URL-quoted (e.g. redis://:${IRIS_REDIS_PASSWORD}@host:6379/0).",
     )
     namespace: str = Field(
         DEFAULT_NAMESPACE,
@@ -78,6 +84,21 @@ class CacheConfig(BaseModel):
         if url is not None and url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
             raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return url
+
+    def connect_url(self) -> str | None:
+        """redis_url with each ${NAME} taken from this process's environment. Expanded at
+        connect time, not at validation, so a password from a Kubernetes Secret is never
+        stored in the (pickled, checkpointed) config or shown by `serve status`."""
+        if self.redis_url is None:
+            return None
+
+        def value(match: re.Match) -> str:
+            name = match.group(1)
+            if name not in os.environ:
+                raise ValueError(f"redis_url uses ${{{name}}} but {name} is not set in this process's environment")
+            return quote(os.environ[name], safe="")
+
+        return _ENV_REF.sub(value, self.redis_url)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "CacheConfig":

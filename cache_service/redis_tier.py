@@ -83,8 +83,9 @@ class RedisTier:
         assert config.redis_url is not None
         self._config = config
         self._stats = stats
+        url = config.connect_url()
         self._pool = ConnectionPool.from_url(
-            config.redis_url,
+            url,
             max_connections=config.redis_pool_size,
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_connect_timeout_s,

@@ -41,7 +41,7 @@ def _report_redis(config: IrisConfig) -> None:
     import redis
 
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
-    except (redis.RedisError, OSError) as err:
+        redis.Redis.from_url(config.cache.connect_url(), socket_connect_timeout=1, socket_timeout=1).ping()
+    except (redis.RedisError, OSError, ValueError) as err:  # url logged unexpanded: no password in logs
         logger.warning("Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
                        "reconnecting in the background", url, err)

@@ -59,3 +59,20 @@ def test_bad_args_name_the_field(args, field):
     with pytest.raises(ValueError, match="invalid Iris application args") as err:
         build_app(args)
     assert field in str(err.value)
+
+
+@pytest.mark.parametrize("name", list(_serve_configs()))
+def test_import_paths_and_routers_resolve(name):
+    """What Serve imports by string at deploy time: the app builder and the LLMDecode router."""
+    from ray._common.utils import import_attr
+    from ray.serve.request_router import RequestRouter
+
+    (app,) = _serve_configs()[name]["applications"]
+    assert callable(import_attr(app["import_path"]))
+    routers = {d["name"]: d["request_router_config"] for d in app["deployments"] if "request_router_config" in d}
+    assert set(routers) == {"LLMDecode"}
+    router = routers["LLMDecode"]
+    cls = import_attr(router["request_router_class"])
+    assert issubclass(cls, RequestRouter)
+    # The kwargs are accepted as Serve will pass them (initialize_state rejects unknown ones).
+    cls.initialize_state(object.__new__(cls), **router.get("request_router_kwargs", {}))

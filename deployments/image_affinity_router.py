@@ -1,0 +1,70 @@
+"""ImageAffinityRouter: sends requests for the same image to the same LLMDecode replica.
+
+vLLM's prefix cache lives in each decode replica; the feature cache already spares
+the encoder on a repeat, this router spares the prefill. Selected in
+serve_config.yaml:
+
+    request_router_config:
+      request_router_class: deployments.image_affinity_router:ImageAffinityRouter
+      request_router_kwargs: {max_load_factor: 1.5}
+
+The choice itself is `pipeline.affinity` (no Ray). Requests without images get
+Serve's power-of-two choices. No FIFOMixin: it would hand the replica chosen for
+one request's image to whichever request is oldest.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pipeline.affinity import ReplicaLoad, affinity_key, rank_for_key, two_choices
+
+
+def request_image_keys(pending_request: PendingRequest | None) -> list[str]:
+    """The image keys of a `decode.generate.remote(DecodeRequest)` call, read by
+    attribute so that the rest of DecodeRequest may change freely."""
+    if pending_request is None:
+        return []
+    for arg in [*(pending_request.args or ()), *(pending_request.kwargs or {}).values()]:
+        keys = arg.get("image_keys") if isinstance(arg, dict) else getattr(arg, "image_keys", None)
+        if isinstance(keys, (list, tuple)):
+            return [k for k in keys if isinstance(k, str)]
+    return []
+
+
+class ImageAffinityRouter(RequestRouter):
+    def initialize_state(self, max_load_factor: float = 1.5, **unknown: Any) -> None:
+        if unknown:
+            raise ValueError(f"ImageAffinityRouter: unknown request_router_kwargs {sorted(unknown)}")
+        if not isinstance(max_load_factor, (int, float)) or max_load_factor < 1:
+            raise ValueError(f"ImageAffinityRouter: max_load_factor must be a number >= 1, got {max_load_factor!r}")
+        self._max_load_factor = float(max_load_factor)
+        # Requests this process sent and that have not finished, per replica: the
+        # load signal when Serve's queue-length cache has no fresh entry.
+        self._sent: Counter[ReplicaID] = Counter()
+        self._sent_by_request: dict[str, ReplicaID] = {}
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = affinity_key(request_image_keys(pending_request))
+        if key is None:
+            return [[by_id[rid] for rid in two_choices(list(by_id))]] if by_id else []
+        loads = [ReplicaLoad(rid, self._in_flight(r), r.max_ongoing_requests) for rid, r in by_id.items()]
+        return [[by_id[rid] for rid in rank] for rank in rank_for_key(key, loads, self._max_load_factor)]
+
+    def _in_flight(self, replica: RunningReplica) -> int:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        return cached if cached is not None else self._sent[replica.replica_id]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._sent[replica_id] += 1
+        self._sent_by_request[pending_request.metadata.internal_request_id] = replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._sent_by_request.pop(internal_request_id, None) is not None and self._sent[replica_id] > 0:
+            self._sent[replica_id] -= 1
