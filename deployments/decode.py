@@ -14,14 +14,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import torch
 from ray import serve
 
 from cache_service.feature_cache import FeatureCache
+from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.families import adapter_for
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
+from pipeline.tenant import cache_salt
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -44,7 +47,11 @@ class LLMDecode:
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
         self.stream_interval_s = config.stream_interval_s
-        self.cache = FeatureCache(config.cache)
+        # Values read from Redis must carry the fingerprint of their key and look like this
+        # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
+        feature_dtype = getattr(torch, dtype)
+        self.cache = FeatureCache(config.cache, check=ValueCheck(
+            lambda f: self.adapter.feature_problem(f, feature_dtype)))
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
@@ -77,7 +84,8 @@ class LLMDecode:
         if error:
             yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
             return
-        engine_prompt: dict = {"prompt_token_ids": token_ids}
+        # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
+        engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
         if keys:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
