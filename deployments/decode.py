@@ -18,10 +18,12 @@ import torch
 from ray import serve
 
 from cache_service.feature_cache import FeatureCache
+from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.families import adapter_for
+from pipeline.fingerprint import expected_fingerprint
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
@@ -50,6 +52,8 @@ class LLMDecode:
         # Values read from Redis must carry the fingerprint of their key and look like this
         # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
         feature_dtype = getattr(torch, dtype)
+        # Our own model's fingerprint: keys of other weights (a rolling update) are refused.
+        self.fingerprint = expected_fingerprint(self.adapter, feature_dtype)
         self.cache = FeatureCache(config.cache, check=ValueCheck(
             lambda f: self.adapter.feature_problem(f, feature_dtype)))
         self.cache_metrics = CacheMetrics(self.cache)
@@ -62,6 +66,11 @@ class LLMDecode:
         from vllm.sampling_params import RequestOutputKind
 
         keys = request.image_keys
+        if any(fingerprint_of(k) != self.fingerprint for k in keys):
+            # Keyed for other weights by an ingress that has not seen the update yet.
+            yield DecodeChunk(error={"message": "the model was updated while this request was in flight; retry",
+                                     "code": "model_changed", "param": None})
+            return
         delivered = dict(zip(request.delivered, await asyncio.gather(*request.delivered.values())))
         for key, f in delivered.items():
             self.cache.remember(key, f)

@@ -276,6 +276,9 @@ class Ingress:
             request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered, tenant)
             stream = self.decode.options(stream=True).generate.remote(request)
             first: DecodeChunk = await stream.__anext__()
+            if first.error and first.error["code"] == "model_changed":
+                self._fingerprint = None  # later requests key their images for the new weights
+                raise IrisError(first.error["message"], status_code=503, code="model_changed")
             if first.error:
                 raise bad_request(first.error["message"], param=first.error.get("param"), code=first.error["code"])
             if not first.missing_keys:

@@ -374,3 +374,24 @@ def test_oversized_body_is_413_without_reading_it_all(app):
     r = httpx.post(f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
+    """A rolling update: an ingress still keying for the old weights gets 503 model_changed
+    from the new replicas, never features of one model served to the other."""
+    from cache_service.keys import content_key
+    from pipeline.errors import IrisError
+    from pipeline.families import PixelInputs
+    from pipeline.stage_io import DecodeRequest
+
+    _, base, name = app
+    stale = content_key("0ff1ce", _unique_png(), _namespace_of(name))
+    refused = serve.get_deployment_handle("VisionEncoder", app_name=name).encode.remote(
+        stale, PixelInputs({}, 1)).result()
+    assert isinstance(refused, IrisError) and refused.code == "model_changed" and refused.status_code == 503
+    request = DecodeRequest("stale-1", [{"role": "user", "content": [{"type": "image"}]}], [stale], None)
+    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
+                  .generate.remote(request))
+    assert len(chunks) == 1 and chunks[0].error["code"] == "model_changed"
+    # The ingress, asked normally, still answers.
+    assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
