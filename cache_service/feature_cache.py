@@ -41,6 +41,7 @@ from cache_service.config import CacheConfig
 from cache_service.l1 import L1Cache
 from cache_service.redis_tier import RedisTier
 from cache_service.stats import CacheStats
+from cache_service.validation import ValueCheck
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ class _Abandoned(Exception):
 
 
 class FeatureCache:
-    def __init__(self, config: CacheConfig | None = None):
+    def __init__(self, config: CacheConfig | None = None, check: ValueCheck | None = None):
+        """`check`: what values read from Redis must satisfy beyond the checksum
+        (model fingerprint, the family's shapes); None accepts any decodable value."""
         self.config = config or CacheConfig()
+        self._check = check
         self._stats = CacheStats()
         self._l1 = L1Cache(self.config.l1_max_bytes)
         self._l2 = RedisTier(self.config, self._stats) if self.config.redis_url else None
@@ -185,6 +189,13 @@ class FeatureCache:
             self._stats.corrupt += 1
             corrupt.append(key)
             logger.warning("corrupt cache value at %s (%s); deleted, treated as a miss", key, exc)
+            return None
+        problem = self._check.problem(key, features) if self._check is not None else None
+        if problem is not None:
+            # Well-formed but wrong for this model: stale, misplaced or forged.
+            self._stats.rejected += 1
+            corrupt.append(key)
+            logger.warning("rejected cache value at %s (%s); deleted, treated as a miss", key, problem)
             return None
         self._l1.put(key, features, in_l2=True)
         return features

@@ -3,7 +3,8 @@
 Format, version 1 (bump the version when the format or the value codec changes;
 old keys then simply stop being read and expire by TTL):
 
-    <namespace>:v1:<fingerprint>:c:<hash>              content key
+    <namespace>:v1:<fingerprint>:c:<hash>              content key, shared by tenants
+    <namespace>:v1:<fingerprint>:t:<tenant>:<hash>     content key private to a tenant
     <namespace>:v1:<fingerprint>:u:<tenant>:<uuid>     client-UUID key
 
 - namespace: deployment-wide prefix, default "iris" (tests use one per run).
@@ -13,7 +14,9 @@ old keys then simply stop being read and expire by TTL):
 - hash: blake3 of the raw image bytes as uploaded, before any decoding, as 64
   lowercase hex chars (sha256 where the blake3 package is missing; a mixed
   cluster then merely shares less, since both are 256-bit and cannot collide in
-  practice). Content keys are shared by all tenants: equal bytes, equal features.
+  practice). Shared content keys serve equal bytes to every tenant; with sharing
+  off (`content_key(..., tenant=...)`) a tenant cannot learn, from cache hits or
+  timing, whether another tenant sent an image.
 - tenant, uuid: client text, percent-escaped (RFC 3986 unreserved characters are
   kept, everything else, ':' '%' '/' spaces, control characters and non-ASCII
   included, becomes %XX of its UTF-8 bytes). Escaping is injective and leaves no
@@ -55,9 +58,14 @@ def content_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def content_key(fingerprint: str, data: bytes, namespace: str = DEFAULT_NAMESPACE) -> str:
-    """Key of an image by its content; shared across tenants."""
-    return f"{_prefix(namespace, fingerprint)}:c:{content_hash(data)}"
+def content_key(
+    fingerprint: str, data: bytes, namespace: str = DEFAULT_NAMESPACE, tenant: str | None = None
+) -> str:
+    """Key of an image by its content: shared across tenants when `tenant` is None,
+    else private to that tenant."""
+    if tenant is None:
+        return f"{_prefix(namespace, fingerprint)}:c:{content_hash(data)}"
+    return f"{_prefix(namespace, fingerprint)}:t:{_escape(_tenant(tenant))}:{content_hash(data)}"
 
 
 def uuid_key(
@@ -68,13 +76,7 @@ def uuid_key(
         raise ValueError("uuid must be a non-empty string")
     if len(uuid) > MAX_UUID_CHARS:
         raise ValueError(f"uuid longer than {MAX_UUID_CHARS} characters")
-    if tenant is None or tenant == "":
-        tenant = DEFAULT_TENANT
-    if not isinstance(tenant, str):
-        raise ValueError("tenant must be a string or None")
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise ValueError(f"tenant longer than {MAX_TENANT_CHARS} characters")
-    return f"{_prefix(namespace, fingerprint)}:u:{_escape(tenant)}:{_escape(uuid)}"
+    return f"{_prefix(namespace, fingerprint)}:u:{_escape(_tenant(tenant))}:{_escape(uuid)}"
 
 
 def image_keys(
@@ -83,6 +85,7 @@ def image_keys(
     images: list[bytes | None],
     uuids: list[str | None] | None = None,
     namespace: str = DEFAULT_NAMESPACE,
+    share_content: bool = True,
 ) -> list[str]:
     """One key per image with vLLM `multi_modal_uuids` semantics.
 
@@ -100,8 +103,26 @@ def image_keys(
         elif data is None:
             raise ValueError(f"image {i} has neither bytes nor a uuid")
         else:
-            keys.append(content_key(fingerprint, data, namespace))
+            keys.append(content_key(fingerprint, data, namespace, None if share_content else (tenant or DEFAULT_TENANT)))
     return keys
+
+
+def fingerprint_of(key: str) -> str | None:
+    """The model fingerprint in a key of this format, or None for any other string."""
+    parts = key.split(":")
+    if len(parts) < 5 or parts[1] != KEY_VERSION or not _FINGERPRINT_RE.fullmatch(parts[2]):
+        return None
+    return parts[2]
+
+
+def _tenant(tenant: str | None) -> str:
+    if tenant is None or tenant == "":
+        return DEFAULT_TENANT
+    if not isinstance(tenant, str):
+        raise ValueError("tenant must be a string or None")
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise ValueError(f"tenant longer than {MAX_TENANT_CHARS} characters")
+    return tenant
 
 
 def _prefix(namespace: str, fingerprint: str) -> str:

@@ -18,6 +18,7 @@ class CacheStats:
     l2_bytes_written: int = 0
     l2_bytes_read: int = 0
     corrupt: int = 0  # values that failed decoding; deleted from Redis
+    rejected: int = 0  # decodable values that failed the ValueCheck (fingerprint, shapes); deleted
     oversize: int = 0  # values above max_value_bytes, kept out of Redis
     encode_errors: int = 0  # features that could not be serialised (kept in L1 only)
     l2_errors: int = 0  # failed Redis commands of any kind

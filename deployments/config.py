@@ -66,9 +66,16 @@ class IrisConfig(BaseModel):
         "gpu_memory_utilization, tensor_parallel_size, block_size).",
     )
     tenant_header: str | None = Field(
-        "X-Iris-Tenant",
-        description="Header naming the tenant (set by a trusted gateway); None ignores it and "
-        "derives the tenant from the API key only.",
+        None,
+        description="Header naming the tenant, honoured only when set here: set it only when a trusted "
+        "gateway authenticates callers, sets this header and drops any copy a client sent. None (the "
+        "default) ignores the header; the tenant is then the API key's hash, or `default`.",
+    )
+    share_content_cache_across_tenants: bool = Field(
+        False,
+        description="Whether tenants share features of byte-identical images (content-hash keys). "
+        "False (the default) keys them per tenant, so neither `x-iris-images` nor timing tells a tenant "
+        "whether another sent an image; true saves encoder work when all tenants trust each other.",
     )
     request_timeout_s: float = Field(
         300, gt=0, description="Upper bound on one request's image work (fetch, preprocess, encode)."

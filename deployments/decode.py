@@ -14,14 +14,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import torch
 from ray import serve
 
 from cache_service.feature_cache import FeatureCache
+from cache_service.keys import fingerprint_of
+from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.families import adapter_for
+from pipeline.fingerprint import expected_fingerprint
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
+from pipeline.tenant import cache_salt
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -44,7 +49,13 @@ class LLMDecode:
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
         self.stream_interval_s = config.stream_interval_s
-        self.cache = FeatureCache(config.cache)
+        # Values read from Redis must carry the fingerprint of their key and look like this
+        # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
+        feature_dtype = getattr(torch, dtype)
+        # Our own model's fingerprint: keys of other weights (a rolling update) are refused.
+        self.fingerprint = expected_fingerprint(self.adapter, feature_dtype)
+        self.cache = FeatureCache(config.cache, check=ValueCheck(
+            lambda f: self.adapter.feature_problem(f, feature_dtype)))
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
@@ -55,6 +66,11 @@ class LLMDecode:
         from vllm.sampling_params import RequestOutputKind
 
         keys = request.image_keys
+        if any(fingerprint_of(k) != self.fingerprint for k in keys):
+            # Keyed for other weights by an ingress that has not seen the update yet.
+            yield DecodeChunk(error={"message": "the model was updated while this request was in flight; retry",
+                                     "code": "model_changed", "param": None})
+            return
         delivered = dict(zip(request.delivered, await asyncio.gather(*request.delivered.values())))
         for key, f in delivered.items():
             self.cache.remember(key, f)
@@ -77,7 +93,8 @@ class LLMDecode:
         if error:
             yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
             return
-        engine_prompt: dict = {"prompt_token_ids": token_ids}
+        # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
+        engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
         if keys:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}

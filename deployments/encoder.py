@@ -18,6 +18,8 @@ from ray import serve
 from ray.serve import metrics
 
 from cache_service.feature_cache import FeatureCache
+from cache_service.keys import fingerprint_of
+from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
 from pipeline.errors import IrisError
@@ -44,9 +46,11 @@ class VisionEncoder:
             torch.set_num_threads(config.encoder_cpu_threads)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         self.adapter.load_vision(device=device, dtype=dtype)
-        dtype_name = str(next(self.adapter.vision.parameters()).dtype)
-        self.fingerprint = model_fingerprint(self.adapter, {"dtype": dtype_name})
-        self.cache = FeatureCache(config.cache)
+        feature_dtype = next(self.adapter.vision.parameters()).dtype
+        self.fingerprint = model_fingerprint(self.adapter, {"dtype": str(feature_dtype)})
+        # Values read from Redis must carry our fingerprint and look like our features.
+        self.cache = FeatureCache(config.cache, check=ValueCheck(
+            lambda f: self.adapter.feature_problem(f, feature_dtype)))
         self.cache_metrics = CacheMetrics(self.cache)
         # Batch cost units make one limit do two jobs: with a token budget T and a
         # count N, an image costs max(min(tokens, T) * N, T) of N * T, so a batch
@@ -68,6 +72,11 @@ class VisionEncoder:
         (Serve resolves the pending response the ingress passed); its client error passes through."""
         if isinstance(pixels, IrisError):
             return pixels
+        if fingerprint_of(key) != self.fingerprint:
+            # A rolling update: the ingress keyed this image for other weights. Never store
+            # our features under another model's key; the ingress refetches the fingerprint.
+            return IrisError("the model was updated while this request was in flight; retry",
+                             status_code=503, code="model_changed")
 
         if self.max_tokens is None:
             cost = 1
@@ -75,7 +84,8 @@ class VisionEncoder:
             cost = max(min(pixels.num_tokens, self.max_tokens) * self.max_images, self.max_tokens)
 
         async def compute(_indexes: list[int]):
-            return [await self._forward(_Queued(pixels, cost))]
+            # The fingerprint in the value lets every reader check it against the key's.
+            return [stamp_fingerprint(await self._forward(_Queued(pixels, cost)), self.fingerprint)]
 
         (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()

@@ -155,7 +155,7 @@ class Ingress:
             tenant = tenant_of(request.headers, self.config.tenant_header)
             images = await asyncio.wait_for(self._features(chat, tenant), self.config.request_timeout_s)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            chunks = await self._start_decode(chat, images, request_id, start)
+            chunks = await self._start_decode(chat, images, request_id, start, tenant)
         except IrisError as err:
             return self._error(err)
         except asyncio.TimeoutError:
@@ -213,9 +213,14 @@ class Ingress:
                 return uuid_key(fingerprint, tenant, img.uuid, namespace)
         except ValueError as err:
             raise bad_request(str(err), param=f"image[{img.index}].uuid", code="invalid_uuid") from err
-        if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
-            return await asyncio.to_thread(content_key, fingerprint, data, namespace)
-        return content_key(fingerprint, data, namespace)
+        # Content keys private to the tenant unless sharing is configured (threat model in README).
+        owner = None if self.config.share_content_cache_across_tenants else tenant
+        try:
+            if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
+                return await asyncio.to_thread(content_key, fingerprint, data, namespace, owner)
+            return content_key(fingerprint, data, namespace, owner)
+        except ValueError as err:  # e.g. an over-long tenant header
+            raise bad_request(str(err), param=None, code="invalid_tenant") from err
 
     def _remember(self, key: str) -> None:
         if not self.cache.redis_available:
@@ -253,6 +258,8 @@ class Ingress:
             pixels = self.preprocess.pixels.remote(job)
             result = await self.encoder.encode.remote(job.key, pixels)
             if isinstance(result, IrisError):
+                if result.code == "model_changed":
+                    self._fingerprint = None  # keys of later requests use the new weights' fingerprint
                 raise result
             self._remember(job.key)
             return result
@@ -260,14 +267,18 @@ class Ingress:
             del self._inflight[job.key]
 
     # --- decode ---------------------------------------------------------------
-    async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str, start: float):
+    async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str, start: float,
+                            tenant: str):
         """The decode stream with its first chunk already received, so that errors
         become a proper status code even for streaming requests."""
         messages = template_messages(chat)
         for attempt in range(2):
-            request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered)
+            request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered, tenant)
             stream = self.decode.options(stream=True).generate.remote(request)
             first: DecodeChunk = await stream.__anext__()
+            if first.error and first.error["code"] == "model_changed":
+                self._fingerprint = None  # later requests key their images for the new weights
+                raise IrisError(first.error["message"], status_code=503, code="model_changed")
             if first.error:
                 raise bad_request(first.error["message"], param=first.error.get("param"), code=first.error["code"])
             if not first.missing_keys:

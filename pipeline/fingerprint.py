@@ -34,3 +34,13 @@ def model_fingerprint(adapter: FamilyAdapter, extra: dict | None = None) -> str:
         parts.append(str(tensor.dtype).encode())
         parts.append(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
+
+
+def expected_fingerprint(adapter: FamilyAdapter, dtype: torch.dtype) -> str:
+    """The fingerprint an encoder of this checkpoint in `dtype` computes, for a process that
+    does not encode (the decoder): loads the vision weights on the CPU, hashes, drops them."""
+    adapter.load_vision(device="cpu", dtype=dtype)
+    try:
+        return model_fingerprint(adapter, {"dtype": str(dtype)})
+    finally:
+        adapter.vision = None

@@ -42,6 +42,7 @@ class DecodeRequest:
     sampling: SamplingOptions
     # key -> ObjectRef of Features computed for this request; other keys are read from the cache.
     delivered: dict[str, Any] = field(default_factory=dict)
+    tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenant.py cache_salt)
 
 
 @dataclass

@@ -32,12 +32,21 @@ def app(request, serve_instance, tiny_checkpoint):
         "engine_args": {"max_model_len": 2048},
         "cache": {"namespace": namespace, "ttl_s": 3600},
         "media": {"max_image_bytes": 200_000},
+        "tenant_header": "X-Iris-Tenant",  # the tests play the trusted gateway
     }
+    _NAMESPACES[name] = namespace
     application = build_app(args)
     serve.run(application, name=name, route_prefix=f"/{family}")
     yield family, f"{serve_instance}/{family}", name
     serve.delete(name)
     _delete_namespace(namespace)
+
+
+_NAMESPACES: dict[str, str] = {}  # app name -> its cache namespace
+
+
+def _namespace_of(app_name: str) -> str:
+    return _NAMESPACES[app_name]
 
 
 def _delete_namespace(namespace: str) -> None:
@@ -159,11 +168,49 @@ def test_tenants_do_not_share_uuids(app):
     assert _work_counts(name) == (before[0] + 1, before[1] + 1)
 
 
-def test_content_keys_are_shared_across_tenants(app):
+def test_content_keys_are_private_per_tenant_by_default(app):
+    """share_content_cache_across_tenants is false: B cannot learn that A sent this image."""
     _, base, _ = app
     url = data_url(_unique_png())
     assert _chat(base, [_image_part(url)], tenant="tenant-a").headers["x-iris-images"] == "cached=0,computed=1"
-    assert _chat(base, [_image_part(url)], tenant="tenant-b").headers["x-iris-images"] == "cached=1,computed=0"
+    assert _chat(base, [_image_part(url)], tenant="tenant-b").headers["x-iris-images"] == "cached=0,computed=1"
+    assert _chat(base, [_image_part(url)], tenant="tenant-a").headers["x-iris-images"] == "cached=1,computed=0"
+
+
+def test_forged_redis_entries_are_recomputed_or_a_miss(app):
+    """Valid codec values that are wrong for the model, written straight into Redis under the
+    keys a request will use: never served; recomputed from the bytes, 409 when upload-free."""
+    import redis
+    import torch
+
+    from cache_service.codec import Features, encode
+    from cache_service.keys import content_key, uuid_key
+    from cache_service.validation import stamp_fingerprint
+
+    _, base, name = app
+    namespace = _namespace_of(name)
+    fingerprint = serve.get_deployment_handle("VisionEncoder", app_name=name).get_fingerprint.remote().result()
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    png = _unique_png()
+    wrong_shape = stamp_fingerprint(Features({"image_embeds": torch.zeros(3, 7)}, {"num_tokens": 3}), fingerprint)
+    reference = _chat(base, [_image_part(data_url(png))], tenant="tenant-ref")
+    assert reference.status_code == 200, reference.text
+
+    # The victim's content key holds a wrong-shape value; its uuid key one of another model.
+    uid = f"forged-{uuid.uuid4().hex}"
+    client.set(content_key(fingerprint, png, namespace, "tenant-v"), bytes(encode(wrong_shape)))
+    other_model = stamp_fingerprint(Features({"image_embeds": torch.zeros(3, 7)}, {"num_tokens": 3}), "0ff1ce")
+    client.set(uuid_key(fingerprint, "tenant-v", uid, namespace), bytes(encode(other_model)))
+    rejected_before = _stats(name, "LLMDecode")["cache"]["rejected"]
+
+    r = _chat(base, [_image_part(data_url(png))], tenant="tenant-v")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == reference.json()["choices"][0]["message"]["content"]
+    r = _chat(base, [_image_part(None, uid)], tenant="tenant-v")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "mm_cache_miss", r.text
+    assert _stats(name, "LLMDecode")["cache"]["rejected"] >= rejected_before + 2
+    # The app still serves normally afterwards.
+    assert _chat(base, [_image_part(data_url(png))], tenant="tenant-v").status_code == 200
 
 
 def test_same_image_twice_in_one_request_is_encoded_once(app):
@@ -327,3 +374,24 @@ def test_oversized_body_is_413_without_reading_it_all(app):
     r = httpx.post(f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
+    """A rolling update: an ingress still keying for the old weights gets 503 model_changed
+    from the new replicas, never features of one model served to the other."""
+    from cache_service.keys import content_key
+    from pipeline.errors import IrisError
+    from pipeline.families import PixelInputs
+    from pipeline.stage_io import DecodeRequest
+
+    _, base, name = app
+    stale = content_key("0ff1ce", _unique_png(), _namespace_of(name))
+    refused = serve.get_deployment_handle("VisionEncoder", app_name=name).encode.remote(
+        stale, PixelInputs({}, 1)).result()
+    assert isinstance(refused, IrisError) and refused.code == "model_changed" and refused.status_code == 503
+    request = DecodeRequest("stale-1", [{"role": "user", "content": [{"type": "image"}]}], [stale], None)
+    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
+                  .generate.remote(request))
+    assert len(chunks) == 1 and chunks[0].error["code"] == "model_changed"
+    # The ingress, asked normally, still answers.
+    assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200

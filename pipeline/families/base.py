@@ -4,7 +4,9 @@ The generic flow (preprocess -> encode -> cache -> vLLM) only talks to a
 `FamilyAdapter`; it never asks which model it serves. An adapter knows:
 - how its image processor turns a decoded image into pixel tensors,
 - how its vision tower + projector turn a batch of those into per-image features,
-- how to pack cached features into vLLM's `multi_modal_data["image"]`.
+- how to pack cached features into vLLM's `multi_modal_data["image"]`,
+- what its features must look like (`feature_problem`), so that a stale or
+  forged cache entry is refused before it reaches vLLM.
 """
 
 from __future__ import annotations
@@ -114,3 +116,29 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def vllm_image_data(self, features: list[Features]) -> Any:
         """`multi_modal_data["image"]` for these features, in prompt order."""
+
+    # --- what features must look like -------------------------------------------
+    @abstractmethod
+    def feature_problem(self, features: Features, dtype: torch.dtype) -> str | None:
+        """Why `features` cannot be this model's encoder output in `dtype` (tensor names,
+        dtype, hidden size, token count), or None when they can."""
+
+
+def tensor_problem(features: Features, name: str, dtype: torch.dtype, shape: list[int]) -> str | None:
+    """Why `features.tensors[name]` is not a `dtype` tensor of `shape`, or None."""
+    tensor = features.tensors.get(name)
+    if tensor is None:
+        return f"no {name!r} tensor"
+    if tensor.dtype != dtype:
+        return f"{name} has dtype {tensor.dtype}, expected {dtype}"
+    if list(tensor.shape) != shape:
+        return f"{name} has shape {list(tensor.shape)}, expected {shape}"
+    return None
+
+
+def token_count_problem(features: Features, tokens: int) -> str | None:
+    """The meta's token count drives the decoder's length check: it must be the real one."""
+    stated = features.meta.get("num_tokens")
+    if stated != tokens:
+        return f"meta num_tokens {stated!r}, expected {tokens}"
+    return None

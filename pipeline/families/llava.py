@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from cache_service.codec import Features
-from pipeline.families.base import FamilyAdapter, PixelInputs
+from pipeline.families.base import FamilyAdapter, PixelInputs, tensor_problem, token_count_problem
 
 
 class LlavaVision(torch.nn.Module):
@@ -64,3 +64,15 @@ class LlavaAdapter(FamilyAdapter):
     def vllm_image_data(self, features: list[Features]):
         # LLaVA-1.5 gives every image the same number of tokens: one [n, tokens, hidden] tensor.
         return torch.stack([f.tensors["image_embeds"] for f in features])
+
+    def feature_problem(self, features: Features, dtype: torch.dtype) -> str | None:
+        # Every image is resized to one square: a fixed token count, projected to the LM's width.
+        vision = self.config["vision_config"]
+        tokens = (vision["image_size"] // vision["patch_size"]) ** 2
+        if self.config.get("vision_feature_select_strategy", "default") == "full":
+            tokens += 1
+        if set(features.tensors) != {"image_embeds"}:
+            return f"tensors {sorted(features.tensors)}, expected ['image_embeds']"
+        hidden = self.config["text_config"]["hidden_size"]
+        return (tensor_problem(features, "image_embeds", dtype, [tokens, hidden])
+                or token_count_problem(features, tokens))

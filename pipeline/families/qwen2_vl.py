@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from cache_service.codec import Features
-from pipeline.families.base import FamilyAdapter, PixelInputs
+from pipeline.families.base import FamilyAdapter, PixelInputs, tensor_problem, token_count_problem
 
 
 class Qwen2VLAdapter(FamilyAdapter):
@@ -55,3 +55,20 @@ class Qwen2VLAdapter(FamilyAdapter):
             "image_embeds": torch.cat([f.tensors["image_embeds"] for f in features]),
             "image_grid_thw": torch.cat([f.tensors["image_grid_thw"] for f in features]),
         }
+
+    def feature_problem(self, features: Features, dtype: torch.dtype) -> str | None:
+        # Dynamic resolution: the token count follows from the image's (t, h, w) patch grid.
+        if set(features.tensors) != {"image_embeds", "image_grid_thw"}:
+            return f"tensors {sorted(features.tensors)}, expected ['image_embeds', 'image_grid_thw']"
+        problem = tensor_problem(features, "image_grid_thw", torch.int64, [1, 3])
+        if problem:
+            return problem
+        t, h, w = (int(x) for x in features.tensors["image_grid_thw"][0])
+        merge = self.merge_size
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            return f"image_grid_thw {[t, h, w]} is not a grid of {merge}x{merge} merged patches"
+        tokens = t * h * w // merge**2
+        vision = self.config["vision_config"]
+        hidden = vision.get("out_hidden_size") or vision["hidden_size"]  # merger output (2.5-VL / 2-VL)
+        return (tensor_problem(features, "image_embeds", dtype, [tokens, hidden])
+                or token_count_problem(features, tokens))
