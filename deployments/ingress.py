@@ -136,8 +136,16 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "iris"}]}
+        # The fields `vllm serve` lists, so clients that read them (vllm bench serve) see the same.
+        name = self.config.model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": self.config.engine_args.get("max_model_len"),
+            "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                            "created": int(time.time()), "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}]}]}
 
     @app.get("/iris/stats")
     async def stats(self) -> dict:
@@ -290,31 +298,40 @@ class Ingress:
                         code="features_unavailable")
 
     async def _collect(self, request_id, chunks, headers):
-        text, finish, usage = [], None, openai_format.Usage()
+        choices: dict[int, dict] = {}  # index -> {"text": [...], "finish", "stop", "logprobs"}
+        usage = openai_format.Usage()
         async for c in chunks:
             if c.error:
                 return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
-            text.append(c.text)
-            finish = c.finish_reason or finish
+            ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
+            ch["text"].append(c.text)
+            if c.logprobs is not None:
+                ch["logprobs"] = (ch["logprobs"] or []) + c.logprobs
             if c.finish_reason:
+                ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
+            if c.done:
                 usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         self._outcome("ok")
-        body = openai_format.completion(request_id, self.config.model_name, "".join(text), finish, usage)
+        body = openai_format.completion(request_id, self.config.model_name, [
+            openai_format.choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
+            for i, ch in sorted(choices.items())], usage)
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, chat, request_id, chunks):
         model = self.config.model_name
-        yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""})
+        for i in range(chat.sampling.n or 1):
+            yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""}, index=i)
         try:
             async for c in chunks:
                 if c.error:  # the engine rejected the request after the stream started
                     self._outcome("client_error")
                     yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
                     break
-                if c.text or c.finish_reason:
+                if c.text or c.finish_reason or c.logprobs:
                     delta = {"content": c.text} if c.text else {}
-                    yield openai_format.chunk(request_id, model, delta, c.finish_reason)
-                if c.finish_reason and chat.include_usage:
+                    yield openai_format.chunk(request_id, model, delta, c.finish_reason, index=c.index,
+                                              logprobs=c.logprobs, stop_reason=c.stop_reason)
+                if c.done and chat.include_usage:
                     usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                     yield openai_format.chunk(request_id, model, {}, usage=usage, choices=False)
             else:
