@@ -58,14 +58,16 @@ def validate_sampling(body: dict, kind: str = "chat") -> Any:
     except (ValueError, TypeError, VLLMClientError) as e:  # vLLM's validators raise VLLMValidationError past pydantic
         raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
     # "tools" first: vLLM's validator sets tool_choice from it, but tools is what the client sent.
-    for name in sorted(req.model_fields_set - SAMPLING_FIELDS - OWN_FIELDS, key=lambda n: (n != "tools", n)):
+    known = req.model_fields_set & Model.model_fields.keys()  # extras are ignored, as vLLM ignores them
+    for name in sorted(known - SAMPLING_FIELDS - OWN_FIELDS, key=lambda n: (n != "tools", n)):
         default = Model.model_fields[name].get_default(call_default_factory=True)
         if getattr(req, name) != default:
             raise bad_request(f"{name} is not supported by this server", param=name,
                               code="unsupported_parameter")
     try:  # SamplingParams checks ranges (n, top_p, temperature, ...): fail here, before any image work
         wanted = max_tokens_of(req)
-        req.to_sampling_params(wanted if wanted is not None else 1, {})
+        # Without max_tokens vLLM fills in what the context leaves; unknown here, so "plenty".
+        req.to_sampling_params(wanted if wanted is not None else 1 << 20, {})
     except (ValueError, TypeError, VLLMClientError) as e:
         raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
     return req
