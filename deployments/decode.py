@@ -100,7 +100,8 @@ class LLMDecode:
                                      "param": getattr(err, "parameter", None)})
             return
         params.output_kind = RequestOutputKind.DELTA  # Iris streams internally, and merges deltas itself
-        top_n = req.top_logprobs if req.logprobs else None
+        # Chat logprobs only: /v1/completions refuses them in the ingress.
+        top_n = req.top_logprobs if request.prompt is None and req.logprobs else None
         completion_tokens = 0
         try:
             async for outs in _merged(self.engine.generate(engine_prompt, params, request.request_id),

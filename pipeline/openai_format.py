@@ -69,3 +69,24 @@ def sse(body: dict) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+# --- /v1/completions ---------------------------------------------------------
+
+
+def text_choice(index: int, text: str, finish_reason: str | None, stop_reason=None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def text_completion(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.to_dict()}
+
+
+def text_chunk(request_id: str, model: str, choices: list[dict], usage: Usage | None = None) -> str:
+    body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.to_dict()
+    return sse(body)

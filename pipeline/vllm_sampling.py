@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.errors import IrisError, bad_request
+from pipeline.errors import bad_request
 
 # Fields of vLLM's request models that Iris honours with vLLM's meaning.
 # Anything else vLLM knows is refused unless left at its default.

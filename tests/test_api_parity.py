@@ -35,8 +35,10 @@ def vllm_base(checkpoint, tmp_path_factory):
 
     system = _start_vllm(1, EngineSettings(checkpoint, "float32", 2048, 2), tmp_path_factory.mktemp("vllm"),
                          time.monotonic(), 600)
-    yield system.bases[0]
-    system.stop()
+    try:
+        yield system.base_urls[0]
+    finally:
+        system.stop()
 
 
 @pytest.fixture(scope="module")
