@@ -24,9 +24,11 @@ from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.families import adapter_for
 from pipeline.fingerprint import expected_fingerprint
+from pipeline.logprobs import chat_logprobs
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
+from pipeline.vllm_sampling import max_tokens_of
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -48,6 +50,8 @@ class LLMDecode:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
+        # The checkpoint's generation_config defaults, as `vllm serve` applies them.
+        self.default_sampling_params = self.engine.model_config.get_diff_sampling_param()
         self.stream_interval_s = config.stream_interval_s
         # Values read from Redis must carry the fingerprint of their key and look like this
         # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
@@ -62,7 +66,8 @@ class LLMDecode:
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        from vllm import SamplingParams
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         keys = request.image_keys
@@ -85,11 +90,17 @@ class LLMDecode:
                 yield DecodeChunk(missing_keys=missing)
                 return
 
-        prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-        # Tokenized once, here, as `vllm serve` does for chat: the template already holds
-        # any special tokens. vLLM expands each image placeholder into its feature tokens.
-        token_ids = self.processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        error = self._check_length(token_ids, features, request.sampling.max_tokens)
+        req = request.sampling
+        tokenizer = self.processor.tokenizer
+        if request.prompt is not None:  # /v1/completions: vLLM adds the tokenizer's special tokens (BOS)
+            token_ids = tokenizer(request.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        else:
+            prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            # Tokenized once, here, as `vllm serve` does for chat: the template already holds
+            # any special tokens. vLLM expands each image placeholder into its feature tokens.
+            token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
+        error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
             yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
             return
@@ -98,38 +109,54 @@ class LLMDecode:
         if keys:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
-        s = request.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            stop=s.stop or None, output_kind=RequestOutputKind.DELTA,
-        )
+        try:  # as vLLM's serving_chat: the max_tokens default and generation_config come in here
+            max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params)
+            params = req.to_sampling_params(max_tokens, self.default_sampling_params)
+        except (ValueError, VLLMClientError) as err:
+            yield DecodeChunk(error={"message": str(err), "code": "invalid_request",
+                                     "param": getattr(err, "parameter", None)})
+            return
+        params.output_kind = RequestOutputKind.DELTA  # Iris streams internally, and merges deltas itself
+        # Chat logprobs only: /v1/completions refuses them in the ingress.
+        top_n = req.top_logprobs if request.prompt is None and req.logprobs else None
         completion_tokens = 0
         try:
             async for outs in _merged(self.engine.generate(engine_prompt, params, request.request_id),
                                       self.stream_interval_s):
+                choices: dict[int, DecodeChunk] = {}
+                for o in outs:
+                    for c in o.outputs:
+                        ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
+                        ch.text += c.text
+                        ch.token_ids += list(c.token_ids)
+                        completion_tokens += len(c.token_ids)
+                        if c.logprobs is not None and top_n is not None:
+                            ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs, tokenizer, top_n)
+                        if c.finish_reason:
+                            ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
                 out = outs[-1]
-                completion_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                chunk = DecodeChunk(text="".join(o.outputs[0].text for o in outs),
-                                    finish_reason=out.outputs[0].finish_reason)
+                chunks = [choices[i] for i in sorted(choices)] or [DecodeChunk()]
                 if out.finished:
-                    chunk.prompt_tokens = len(out.prompt_token_ids or [])
-                    chunk.completion_tokens = completion_tokens
-                    chunk.cached_tokens = out.num_cached_tokens or 0
-                    if chunk.prompt_tokens:
-                        self.prompt_tokens.inc(chunk.prompt_tokens)
-                    if chunk.cached_tokens:
-                        self.prefix_hit_tokens.inc(chunk.cached_tokens)
-                yield chunk
-        except ValueError as err:  # vLLM's input validation, e.g. prompt longer than max_model_len
-            yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt", "param": "messages"})
+                    last = chunks[-1]
+                    last.done = True
+                    last.prompt_tokens = len(out.prompt_token_ids or [])
+                    last.completion_tokens = completion_tokens
+                    last.cached_tokens = out.num_cached_tokens or 0
+                    if last.prompt_tokens:
+                        self.prompt_tokens.inc(last.prompt_tokens)
+                    if last.cached_tokens:
+                        self.prefix_hit_tokens.inc(last.cached_tokens)
+                for ch in chunks:
+                    yield ch
+        except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
+            yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
+                                     "param": getattr(err, "parameter", None) or "messages"})
 
     def stats(self) -> dict:
         return {"cache": self.cache.stats()}
 
-    def _check_length(self, token_ids: list[int], features: list, max_tokens: int | None) -> str | None:
-        """vLLM would silently cut max_tokens; OpenAI (and `vllm serve`) answer 400 instead."""
-        # Each image's single placeholder token expands to its feature tokens.
-        n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
+    def _check_length(self, n_prompt: int, max_tokens: int | None) -> str | None:
+        """vLLM would silently cut max_tokens; OpenAI answers 400 instead."""
         wanted = n_prompt + (max_tokens or 1)
         if wanted > self.max_model_len:
             return (f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -39,6 +39,7 @@ from pipeline.json_body import parse_json_body
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
+from pipeline.vllm_sampling import validate_sampling
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
@@ -136,8 +137,16 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "iris"}]}
+        # The fields `vllm serve` lists, so clients that read them (vllm bench serve) see the same.
+        name = self.config.model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": self.config.engine_args.get("max_model_len"),
+            "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                            "created": int(time.time()), "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}]}]}
 
     @app.get("/iris/stats")
     async def stats(self) -> dict:
@@ -168,6 +177,42 @@ class Ingress:
             return StreamingResponse(self._stream(chat, request_id, chunks), media_type="text/event-stream",
                                      headers=headers)
         return await self._collect(request_id, chunks, headers)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        """Text prompts, with the chat endpoint's sampling surface (vLLM's CompletionRequest)."""
+        start = time.perf_counter()
+        try:
+            body = await _json_body(request, self.max_body_bytes)
+            req = validate_sampling(body, "completion")
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+            if not isinstance(prompt, str):
+                raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
+            if req.logprobs is not None:
+                raise bad_request("logprobs is not supported on /v1/completions by this server", param="logprobs",
+                                  code="unsupported_parameter")
+            if req.model and req.model != self.config.model_name:
+                raise not_found(f"The model `{req.model}` does not exist; this server serves "
+                                f"`{self.config.model_name}`.", param="model", code="model_not_found")
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            tenant = tenant_of(request.headers, self.config.tenant_header)
+            stream = self.decode.options(stream=True).generate.remote(
+                DecodeRequest(request_id, None, [], req, tenant=tenant, prompt=prompt))
+            first: DecodeChunk = await stream.__anext__()
+            if first.error:
+                raise bad_request(first.error["message"], param=first.error.get("param"), code=first.error["code"])
+            self.ttft.observe(time.perf_counter() - start)
+            chunks = _prepend(first, stream)
+        except IrisError as err:
+            return self._error(err)
+        except Exception:
+            logger.exception("completion failed")
+            return self._error(server_error("internal error", code="internal_error"))
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return StreamingResponse(self._text_stream(request_id, chunks, include_usage),
+                                     media_type="text/event-stream")
+        return await self._text_collect(request_id, chunks)
 
     # --- images ---------------------------------------------------------------
     async def _get_fingerprint(self) -> str:
@@ -301,37 +346,88 @@ class Ingress:
                         code="features_unavailable")
 
     async def _collect(self, request_id, chunks, headers):
-        text, finish, usage = [], None, openai_format.Usage()
+        choices: dict[int, dict] = {}  # index -> {"text": [...], "finish", "stop", "logprobs"}
+        usage = openai_format.Usage()
         async for c in chunks:
             if c.error:
                 return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
-            text.append(c.text)
-            finish = c.finish_reason or finish
+            ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
+            ch["text"].append(c.text)
+            if c.logprobs is not None:
+                ch["logprobs"] = (ch["logprobs"] or []) + c.logprobs
             if c.finish_reason:
+                ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
+            if c.done:
                 usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         self._outcome("ok")
-        body = openai_format.completion(request_id, self.config.model_name, "".join(text), finish, usage)
+        body = openai_format.completion(request_id, self.config.model_name, [
+            openai_format.choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
+            for i, ch in sorted(choices.items())], usage)
         return JSONResponse(body, headers=headers)
 
     async def _stream(self, chat, request_id, chunks):
         model = self.config.model_name
-        yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""})
+        for i in range(chat.sampling.n or 1):
+            yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""}, index=i)
         try:
             async for c in chunks:
                 if c.error:  # the engine rejected the request after the stream started
                     self._outcome("client_error")
                     yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
                     break
-                if c.text or c.finish_reason:
+                if c.text or c.finish_reason or c.logprobs:
                     delta = {"content": c.text} if c.text else {}
-                    yield openai_format.chunk(request_id, model, delta, c.finish_reason)
-                if c.finish_reason and chat.include_usage:
+                    yield openai_format.chunk(request_id, model, delta, c.finish_reason, index=c.index,
+                                              logprobs=c.logprobs, stop_reason=c.stop_reason)
+                if c.done and chat.include_usage:
                     usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                     yield openai_format.chunk(request_id, model, {}, usage=usage, choices=False)
             else:
                 self._outcome("ok")
             yield openai_format.DONE
         except Exception:  # the stream has started: report in-band, as OpenAI does
+            logger.exception("stream failed")
+            self._outcome("server_error")
+            yield openai_format.sse(server_error("internal error", code="internal_error").to_dict())
+            yield openai_format.DONE
+        finally:
+            await chunks.aclose()
+
+    async def _text_collect(self, request_id, chunks):
+        choices: dict[int, dict] = {}
+        usage = openai_format.Usage()
+        async for c in chunks:
+            if c.error:
+                return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
+            ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None})
+            ch["text"].append(c.text)
+            if c.finish_reason:
+                ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
+            if c.done:
+                usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        self._outcome("ok")
+        return JSONResponse(openai_format.text_completion(request_id, self.config.model_name, [
+            openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"])
+            for i, ch in sorted(choices.items())], usage))
+
+    async def _text_stream(self, request_id, chunks, include_usage: bool):
+        model = self.config.model_name
+        try:
+            async for c in chunks:
+                if c.error:
+                    self._outcome("client_error")
+                    yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
+                    break
+                if c.text or c.finish_reason:
+                    yield openai_format.text_chunk(request_id, model, [
+                        openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason)])
+                if c.done and include_usage:
+                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                    yield openai_format.text_chunk(request_id, model, [], usage=usage)
+            else:
+                self._outcome("ok")
+            yield openai_format.DONE
+        except Exception:
             logger.exception("stream failed")
             self._outcome("server_error")
             yield openai_format.sse(server_error("internal error", code="internal_error").to_dict())

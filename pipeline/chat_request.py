@@ -18,15 +18,15 @@ Every error is an IrisError 400 whose `param` names the offending field, e.g.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 from pipeline.errors import IrisError, bad_request
+from pipeline.vllm_sampling import validate_sampling
 
 MAX_UUID_CHARS = 512
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
 
 # ---------------------------------------------------------------------------
@@ -96,32 +96,12 @@ class StreamOptionsModel(_Model):
 
 
 class ChatCompletionRequest(_Model):
+    # Messages and streaming only: sampling fields are validated by vLLM's own
+    # request model (pipeline/vllm_sampling.py), so they mean what vLLM means.
     model: Text | None = None
     messages: list[MessageModel]
     stream: bool | None = None
     stream_options: StreamOptionsModel | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    # int64, as OpenAI documents; anything larger would overflow downstream.
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: list[Text] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
-    n: int | None = None
-    user: Text | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_string_to_list(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_not_empty(cls, v: list[str] | None) -> list[str] | None:
-        # An empty stop string would match at once and end every completion.
-        if v is not None and any(s == "" for s in v):
-            raise ValueError("each stop sequence must be a non-empty string")
-        return v
 
 
 # ---------------------------------------------------------------------------
@@ -153,19 +133,10 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class ParsedChat:
     messages: list[ChatMessage]
     images: list[ImageInput]
-    sampling: SamplingOptions
+    sampling: Any  # vLLM's validated ChatCompletionRequest (messages stubbed); LLMDecode makes SamplingParams
     stream: bool
     include_usage: bool
     model: str | None
@@ -185,11 +156,6 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
     except ValidationError as e:
         raise validation_error_to_iris(e) from None
 
-    if req.n is not None and req.n != 1:
-        raise bad_request(
-            f"n={req.n} is not supported: this server returns exactly one choice, so n must be 1",
-            param="n",
-        )
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
     stream = bool(req.stream)
@@ -229,15 +195,7 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
             code="too_many_images",
         )
 
-    # max_completion_tokens is OpenAI's current name; max_tokens is deprecated.
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
-        stop=list(req.stop or []),
-    )
+    sampling = validate_sampling(body, "chat")
     include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
     return ParsedChat(
         messages=messages,
@@ -303,6 +261,8 @@ def format_loc(loc: tuple[str | int, ...]) -> str:
     """('messages', 1, 'content', 0, 'image_url') -> 'messages[1].content[0].image_url'."""
     out = ""
     for item in loc:
+        if isinstance(item, str) and "(" in item:  # pydantic's validator tags, e.g. function-wrap[f()]
+            continue
         if isinstance(item, int):
             out += f"[{item}]"
         else:

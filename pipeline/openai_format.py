@@ -22,32 +22,42 @@ class Usage:
         }
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: str | None, usage: Usage) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs: list | None = None) -> dict:
+    """One non-streamed chat choice; `logprobs` are chat logprobs entries (pipeline/logprobs.py)."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def completion(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }],
+        "choices": choices,
         "usage": usage.to_dict(),
     }
 
 
 def chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
-          usage: Usage | None = None, choices: bool = True) -> str:
+          usage: Usage | None = None, choices: bool = True, index: int = 0,
+          logprobs: list | None = None, stop_reason=None) -> str:
     """One SSE event; `choices=False` gives the trailing usage-only chunk."""
+    c = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+         "finish_reason": finish_reason}
+    if finish_reason is not None:
+        c["stop_reason"] = stop_reason
     body = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        if choices else [],
+        "choices": [c] if choices else [],
     }
     if usage is not None:
         body["usage"] = usage.to_dict()
@@ -59,3 +69,24 @@ def sse(body: dict) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+# --- /v1/completions ---------------------------------------------------------
+
+
+def text_choice(index: int, text: str, finish_reason: str | None, stop_reason=None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def text_completion(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.to_dict()}
+
+
+def text_chunk(request_id: str, model: str, choices: list[dict], usage: Usage | None = None) -> str:
+    body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.to_dict()
+    return sse(body)

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.chat_request import SamplingOptions
-
 
 @dataclass
 class ImageJob:
@@ -37,18 +35,25 @@ class EncodedImage:
 @dataclass
 class DecodeRequest:
     request_id: str
-    messages: list[dict[str, Any]]  # chat-template messages, one {"type": "image"} part per image
+    messages: list[dict[str, Any]] | None  # chat-template messages, one {"type": "image"} part per image
     image_keys: list[str]  # one per image part, in prompt order
-    sampling: SamplingOptions
+    sampling: Any  # vLLM's validated Chat/CompletionRequest: LLMDecode calls its to_sampling_params
     # key -> ObjectRef of Features computed for this request; other keys are read from the cache.
     delivered: dict[str, Any] = field(default_factory=dict)
     tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenant.py cache_salt)
+    prompt: str | None = None  # /v1/completions: a text prompt instead of messages
 
 
 @dataclass
 class DecodeChunk:
+    """One choice's delta (several engine deltas merged); n > 1 gives one chunk per choice."""
     text: str = ""
     finish_reason: str | None = None
+    index: int = 0  # the choice
+    stop_reason: int | str | None = None
+    logprobs: list[dict] | None = None  # OpenAI chat logprobs entries for this delta's tokens
+    token_ids: list[int] = field(default_factory=list)
+    done: bool = False  # the request's last chunk: carries the token counts
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -1,0 +1,340 @@
+"""Iris against `vllm serve` on the same tiny LLaVA checkpoint: the same corpus of
+requests to both, the same answers expected (issue 10).
+
+Statuses must match for every request; greedy and seeded requests must give the
+same text, token counts and finish reasons; logprobs agree within 1e-4;
+structured outputs parse and validate in both. Canaries check on Iris that each
+parameter family changes the answer, so a parameter silently dropped fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+
+NAME = "bench"  # the served model name of both systems (no ':' for the peer)
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llava")
+
+
+@pytest.fixture(scope="module")
+def vllm_base(checkpoint, tmp_path_factory):
+    from bench.harness.systems import EngineSettings, _start_vllm
+
+    system = _start_vllm(1, EngineSettings(checkpoint, "float32", 2048, 2), tmp_path_factory.mktemp("vllm"),
+                         time.monotonic(), 600)
+    try:
+        yield system.base_urls[0]
+    finally:
+        system.stop()
+
+
+@pytest.fixture(scope="module")
+def iris_base(serve_instance, checkpoint, vllm_base):  # after vLLM: one engine starting at a time
+    from deployments.app import build_app
+
+    namespace = f"iris-parity-{uuid.uuid4().hex[:12]}"
+    serve.run(build_app({"model": checkpoint, "served_model_name": NAME, "max_images_per_prompt": 2,
+                         "dtype": "float32", "engine_args": {"max_model_len": 2048},
+                         "cache": {"namespace": namespace, "ttl_s": 600}}),
+              name="iris-parity", route_prefix="/parity")
+    yield f"{serve_instance}/parity"
+    serve.delete("iris-parity")
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+IMG = data_url(png_bytes("square"))
+IMG2 = data_url(png_bytes("wide"))
+
+
+def chat(text: str = REFERENCE_TEXT, images: tuple[str, ...] = (), **params) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images] + [{"type": "text", "text": text}]
+    return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 12, **params}
+
+
+GREEDY = {"temperature": 0}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+def corpus(tok) -> list[tuple[str, str, dict]]:
+    """(name, kind, body); kind: "same" (deterministic: compare answers), "schema", "error" (status only)."""
+    a = tok.encode("a", add_special_tokens=False)[0]
+    eos = tok.eos_token_id
+    return [
+        ("greedy-text", "same", chat(**GREEDY)),
+        ("greedy-image", "same", chat(images=(IMG,), **GREEDY)),
+        ("greedy-two-images", "same", chat("Compare them.", images=(IMG, IMG2), **GREEDY)),
+        ("greedy-stream", "same", chat(images=(IMG,), stream=True, stream_options={"include_usage": True}, **GREEDY)),
+        ("max-completion-tokens", "same", chat(max_completion_tokens=5, **GREEDY)),
+        ("presence-penalty", "same", chat(presence_penalty=1.5, **GREEDY)),
+        ("frequency-penalty", "same", chat(frequency_penalty=1.5, **GREEDY)),
+        ("repetition-penalty", "same", chat(images=(IMG,), repetition_penalty=1.5, **GREEDY)),
+        ("seed", "same", chat(temperature=1.0, seed=42)),
+        ("seed-image", "same", chat(images=(IMG,), temperature=0.9, seed=7)),
+        ("top-k", "same", chat(temperature=1.0, top_k=3, seed=1)),
+        ("top-p", "same", chat(temperature=1.0, top_p=0.3, seed=2)),
+        ("min-p", "same", chat(temperature=1.0, min_p=0.2, seed=3)),
+        ("logit-bias", "same", chat(logit_bias={str(a): 100}, **GREEDY)),
+        ("eos-biased", "same", chat(logit_bias={str(eos): 100}, **GREEDY)),
+        ("min-tokens", "same", chat(logit_bias={str(eos): 100}, min_tokens=4, **GREEDY)),
+        ("ignore-eos", "same", chat(logit_bias={str(eos): 100}, ignore_eos=True, max_tokens=6, **GREEDY)),
+        ("allowed-token-ids", "same", chat(allowed_token_ids=[a, a + 1], **GREEDY)),
+        ("skip-special-false", "same", chat(skip_special_tokens=False, **GREEDY)),
+        ("logprobs", "same", chat(images=(IMG,), logprobs=True, top_logprobs=3, **GREEDY)),
+        ("logprobs-stream", "same", chat(logprobs=True, top_logprobs=2, stream=True, **GREEDY)),
+        ("n2-seed", "same", chat(n=2, temperature=1.0, seed=11)),
+        ("n2-seed-logprobs", "same", chat(n=2, temperature=1.0, seed=12, logprobs=True, top_logprobs=1)),
+        ("json-schema", "schema", chat("Answer in JSON.", max_tokens=40, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "r", "schema": SCHEMA}})),
+        ("structured-choice", "same", chat(structured_outputs={"choice": ["yes", "no"]}, **GREEDY)),
+        ("structured-regex", "same", chat(structured_outputs={"regex": "[a-c]{4}"}, **GREEDY)),
+        # a bad value for each kind of parameter
+        ("bad-temperature-type", "error", chat(temperature="hot")),
+        ("bad-top-p-range", "error", chat(top_p=1.5)),
+        ("bad-n", "error", chat(n=0)),
+        ("bad-max-tokens", "error", chat(max_tokens=0)),
+        ("bad-seed-type", "error", chat(seed="x")),
+        ("bad-stop-type", "error", chat(stop=5)),
+        ("bad-top-logprobs-negative", "error", chat(logprobs=True, top_logprobs=-3)),
+        ("bad-top-logprobs-large", "error", chat(logprobs=True, top_logprobs=50)),
+        ("bad-top-logprobs-without-logprobs", "error", chat(top_logprobs=2)),
+        ("bad-presence-penalty", "error", chat(presence_penalty=5)),
+        ("bad-repetition-penalty", "error", chat(repetition_penalty=0)),
+        ("bad-min-p", "error", chat(min_p=2)),
+        ("bad-top-k", "error", chat(top_k=-5)),
+        ("bad-logit-bias-token", "error", chat(logit_bias={"99999999": 5})),
+        ("bad-response-format", "error", chat(response_format={"type": "xml"})),
+        ("bad-json-schema", "error", chat(response_format={"type": "json_schema", "json_schema": {"name": "r"}})),
+        ("tools-without-parser", "error", chat(tools=[{"type": "function", "function": {"name": "f",
+                                                                                       "parameters": {}}}])),
+        ("no-messages", "error", {"model": NAME, "max_tokens": 4}),
+        ("wrong-model", "error", chat(model="nope", **GREEDY)),
+    ]
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def ask(base: str, body: dict) -> tuple[int, dict]:
+    """(status, normalised answer): choices by index with text, finish_reason and logprobs; usage."""
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    if r.status_code != 200:
+        return r.status_code, {"error": r.text[:400]}
+    if not body.get("stream"):
+        j = r.json()
+        return 200, {"choices": {c["index"]: {"text": c["message"]["content"], "finish": c["finish_reason"],
+                                              "logprobs": (c.get("logprobs") or {}).get("content")}
+                                 for c in j["choices"]}, "usage": j["usage"]}
+    choices, usage = {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        j = json.loads(line[6:])
+        assert "error" not in j, j
+        usage = j.get("usage") or usage
+        for c in j["choices"]:
+            ch = choices.setdefault(c["index"], {"text": "", "finish": None, "logprobs": None})
+            ch["text"] += c["delta"].get("content") or ""
+            ch["finish"] = c["finish_reason"] or ch["finish"]
+            if c.get("logprobs"):
+                ch["logprobs"] = (ch["logprobs"] or []) + c["logprobs"]["content"]
+    return 200, {"choices": choices, "usage": usage}
+
+
+def differences(iris: dict, vllm: dict) -> list[str]:
+    out = []
+    if iris.keys() != vllm.keys() or iris["choices"].keys() != vllm["choices"].keys():
+        return [f"shape: {list(iris['choices'])} vs {list(vllm['choices'])}"]
+    for i, a in iris["choices"].items():
+        b = vllm["choices"][i]
+        for field in ("text", "finish"):
+            if a[field] != b[field]:
+                out.append(f"choices[{i}].{field}: {a[field]!r} != {b[field]!r}")
+        if (a["logprobs"] is None) != (b["logprobs"] is None):
+            out.append(f"choices[{i}].logprobs present in one answer only")
+        elif a["logprobs"] is not None:
+            out += logprob_differences(i, a["logprobs"], b["logprobs"])
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        ui, uv = iris["usage"] or {}, vllm["usage"] or {}
+        if ui.get(key) != uv.get(key):
+            out.append(f"usage.{key}: {ui.get(key)} != {uv.get(key)}")
+    return out
+
+
+def logprob_differences(i: int, a: list, b: list) -> list[str]:
+    if len(a) != len(b):
+        return [f"choices[{i}].logprobs: {len(a)} tokens != {len(b)}"]
+    out = []
+    for t, (x, y) in enumerate(zip(a, b)):
+        pairs = [(x, y)] + list(zip(x.get("top_logprobs", []), y.get("top_logprobs", [])))
+        if x["token"] != y["token"] or len(x.get("top_logprobs", [])) != len(y.get("top_logprobs", [])):
+            out.append(f"choices[{i}].logprobs[{t}]: {x} != {y}")
+        for p, q in pairs:
+            if p["token"] != q["token"] or abs(p["logprob"] - q["logprob"]) > LOGPROB_TOL:
+                out.append(f"choices[{i}].logprobs[{t}]: {p['token']!r} {p['logprob']} != {q['token']!r} {q['logprob']}")
+    return out
+
+
+def test_parity_corpus(iris_base, vllm_base, tokenizer):
+    from jsonschema import validate
+
+    cases = corpus(tokenizer)
+    assert len(cases) >= 30
+    failures, counts = [], {"same": 0, "schema": 0, "error": 0}
+    for name, kind, body in cases:
+        si, ai = ask(iris_base, body)
+        sv, av = ask(vllm_base, body)
+        problems = [f"status {si} != {sv}"] if si != sv else []
+        if not problems and kind == "error" and si == 200:
+            problems.append("a bad request was answered 200 by both")
+        if not problems and si == 200 and kind == "same":
+            problems += differences(ai, av)
+        if not problems and si == 200 and kind == "schema":
+            for who, ans in (("iris", ai), ("vllm", av)):
+                try:
+                    validate(json.loads(ans["choices"][0]["text"]), SCHEMA)
+                except Exception as err:  # noqa: BLE001  (reported with both answers)
+                    problems.append(f"{who}: structured output invalid: {err}")
+        if problems:
+            failures.append(f"--- {name}\nrequest: {json.dumps(body)[:600]}\nproblems: {problems}\n"
+                            f"iris ({si}): {json.dumps(ai)[:1500]}\nvllm ({sv}): {json.dumps(av)[:1500]}")
+        else:
+            counts[kind] += 1
+    print(f"parity: {len(cases) - len(failures)}/{len(cases)} agree {counts}")
+    assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- canaries (Iris only)
+
+
+def _answer(base: str, body: dict) -> dict:
+    status, ans = ask(base, body)
+    assert status == 200, ans
+    return ans
+
+
+def test_canaries_each_parameter_family_changes_the_answer(iris_base, tokenizer):
+    base = chat(images=(IMG,), max_tokens=16, **GREEDY)
+    plain = _answer(iris_base, base)
+    text = plain["choices"][0]["text"]
+    assert len(text) >= 4, plain
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    eos = tokenizer.eos_token_id
+    variants = {
+        "penalties": {"repetition_penalty": 2.0, "frequency_penalty": 2.0, "presence_penalty": 2.0},
+        "logit_bias": {"logit_bias": {str(a): 100}},
+        "allowed_token_ids": {"allowed_token_ids": [a]},
+        "stop": {"stop": [text[2:4]]},
+        # every byte token: the first token generated ends the answer
+        "stop_token_ids": {"stop_token_ids": list(range(tokenizer.vocab_size))},
+        "max_tokens": {"max_tokens": 3},
+        "min_tokens/eos": {"logit_bias": {str(eos): 100}},
+        "structured_outputs": {"structured_outputs": {"regex": "[a-c]{4}"}},
+        "response_format": {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+                            "max_tokens": 40},
+        "sampling": {"temperature": 1.0, "seed": 5, "top_k": 50, "min_p": 0.0},
+    }
+    same = [k for k, v in variants.items() if _answer(iris_base, {**base, **v})["choices"][0]["text"] == text]
+    assert not same, f"these parameters did not change Iris's answer: {same}"
+    # min_tokens and ignore_eos: honoured only when EOS would come first.
+    eos_first = {**base, "logit_bias": {str(eos): 100}}
+    short = _answer(iris_base, eos_first)["usage"]["completion_tokens"]
+    assert _answer(iris_base, {**eos_first, "min_tokens": 5})["usage"]["completion_tokens"] >= 5 > short
+    assert _answer(iris_base, {**eos_first, "ignore_eos": True})["usage"]["completion_tokens"] == 16
+    # include_stop_str_in_output
+    stop = text[2:4]
+    kept = _answer(iris_base, {**base, "stop": [stop], "include_stop_str_in_output": True})["choices"][0]["text"]
+    assert kept.endswith(stop) and kept != _answer(iris_base, {**base, "stop": [stop]})["choices"][0]["text"]
+    # logprobs, n, seeds
+    lp = _answer(iris_base, {**base, "logprobs": True, "top_logprobs": 2})["choices"][0]["logprobs"]
+    assert lp and len(lp[0]["top_logprobs"]) == 2
+    two = _answer(iris_base, {**base, "n": 2, "temperature": 1.0, "seed": 3})
+    assert sorted(two["choices"]) == [0, 1] and two["usage"]["completion_tokens"] > 16
+    seeded = [_answer(iris_base, {**base, "temperature": 1.0, "seed": s})["choices"][0]["text"] for s in (1, 1, 2)]
+    assert seeded[0] == seeded[1] != seeded[2]
+
+
+def test_unsupported_parameters_are_refused_by_name(iris_base):
+    for field, value in (("use_beam_search", True), ("echo", True), ("prompt_logprobs", 1),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}])):
+        r = httpx.post(f"{iris_base}/v1/chat/completions", json=chat(**{field: value}), timeout=60)
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field, r.text
+    assert re.search("not supported", r.json()["error"]["message"])
+
+
+def test_models_lists_vllm_fields(iris_base, vllm_base):
+    iris = httpx.get(f"{iris_base}/v1/models").json()["data"][0]
+    peer = httpx.get(f"{vllm_base}/v1/models").json()["data"][0]
+    assert set(peer) <= set(iris), set(peer) - set(iris)
+    for key in ("id", "object", "owned_by", "root", "max_model_len"):
+        assert iris[key] == peer[key] or key == "root", (key, iris[key], peer[key])
+
+
+def ask_text(base: str, body: dict) -> tuple[int, dict]:
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+    if r.status_code != 200:
+        return r.status_code, {"error": r.text[:400]}
+    if not body.get("stream"):
+        j = r.json()
+        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"]) for c in j["choices"]},
+                     "usage": {k: j["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
+    choices, usage = {}, None
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            j = json.loads(line[6:])
+            usage = j.get("usage") or usage
+            for c in j["choices"]:
+                text, finish = choices.get(c["index"], ("", None))
+                choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish)
+    return 200, {"choices": choices,
+                 "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
+
+
+def test_completions_parity(iris_base, vllm_base):
+    prompt = "The quick brown fox"
+    cases = [
+        {"prompt": prompt, "max_tokens": 10, "temperature": 0},
+        {"prompt": [prompt], "max_tokens": 10, "temperature": 0, "repetition_penalty": 1.5},
+        {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 4, "n": 2},
+        {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": prompt, "max_tokens": 8, "top_p": 7},
+        {"max_tokens": 8},
+    ]
+    failures = []
+    for body in cases:
+        body = {"model": NAME, **body}
+        si, ai = ask_text(iris_base, body)
+        sv, av = ask_text(vllm_base, body)
+        if si != sv or (si == 200 and ai != av):
+            failures.append(f"request: {body}\niris ({si}): {ai}\nvllm ({sv}): {av}")
+    assert not failures, "\n".join(failures)
