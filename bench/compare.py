@@ -7,7 +7,7 @@ vLLM's own bench client, reads its counters, stops it, and moves on. Ratios
 Iris / peer are computed within the run.
 
     .venv/bin/python bench/compare.py --quick        # < 10 min: Iris, Ray Serve LLM, vllm serve; 1 replica
-    .venv/bin/python bench/compare.py                # the full matrix (about an hour on 2 CPU cores)
+    .venv/bin/python bench/compare.py                # the full matrix (36 min on 2 CPU cores)
     .venv/bin/python bench/compare.py --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
     .venv/bin/python bench/compare.py --quick --profile after --name profile_run   # py-spy every process
 
