@@ -171,7 +171,12 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
         where = f"messages[{mi}]"
         role = "system" if msg.role == "developer" else msg.role
         if not msg.content or (len(msg.content) == 1 and msg.content[0].text == ""):
-            raise bad_request(f"{where}.content must not be empty", param=f"{where}.content")
+            if role != "assistant":
+                raise bad_request(f"{where}.content must not be empty", param=f"{where}.content")
+            # A model's reply can be empty (it stopped at once): a client that sends the
+            # conversation back must not be refused for it (vLLM and OpenAI accept it).
+            messages.append(ChatMessage(role=role, parts=[TextPart(text="")]))
+            continue
         parts: list[TextPart | ImagePlaceholder] = []
         for pi, part in enumerate(msg.content):
             p = f"{where}.content[{pi}]"

@@ -209,6 +209,14 @@ def test_empty_content(content):
     assert "empty" in err.message
 
 
+@pytest.mark.parametrize("content", ["", None, [{"type": "text", "text": ""}]])
+def test_empty_assistant_reply_in_history_is_accepted(content):
+    chat = parse_chat_request(body([user(text("hi")), {"role": "assistant", "content": content},
+                                    user(text("and now?"))]), max_images=1)
+    assert [m.role for m in chat.messages] == ["user", "assistant", "user"]
+    assert [p.text for p in chat.messages[1].parts] == [""]
+
+
 def test_content_missing():
     err = fail(body([{"role": "assistant"}]))
     assert err.param == "messages[0].content"
