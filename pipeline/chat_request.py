@@ -171,10 +171,11 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
         where = f"messages[{mi}]"
         role = "system" if msg.role == "developer" else msg.role
         if not msg.content or (len(msg.content) == 1 and msg.content[0].text == ""):
-            if role != "assistant":
+            if role != "assistant" or msg.content is None:
                 raise bad_request(f"{where}.content must not be empty", param=f"{where}.content")
             # A model's reply can be empty (it stopped at once): a client that sends the
-            # conversation back must not be refused for it (vLLM and OpenAI accept it).
+            # conversation back must not be refused for it (vLLM and OpenAI accept it). A
+            # missing content stays an error, as in OpenAI's API without tool calls.
             messages.append(ChatMessage(role=role, parts=[TextPart(text="")]))
             continue
         parts: list[TextPart | ImagePlaceholder] = []
