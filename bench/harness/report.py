@@ -146,6 +146,8 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
     results = [r for r in run["results"] if r.get("summary")]
     replica_counts = sorted({r["replicas"] for r in results})
     systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
+    # One colour per system in every panel, whichever systems a panel has.
+    colour = {s: f"C{i}" for i, s in enumerate(run["systems"])}
     saved = []
 
     # Latency against achieved load, for the points of the load sweep.
@@ -156,7 +158,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
                          if r["system"] == system and r["replicas"] == replicas and r.get("sweep")
                          and r["summary"]["ttft_ms"]["p50"] is not None)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system, color=colour[system])
         ax.set_title(f"{run['sweep_workload']} workload, {replicas} decode replica(s)")
         ax.set_xlabel("achieved requests/s")
         ax.set_ylabel("p50 TTFT (ms)")
@@ -181,7 +183,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
             for point in points:
                 r = next((x for x in results if (x["system"], x["replicas"], x["point"]) == (system, replicas, point)), None)
                 values.append(r["summary"]["ttft_ms"]["p50"] if r and r["summary"]["ttft_ms"]["p50"] else 0)
-            ax.bar([i + k * width for i in range(len(points))], values, width, label=system)
+            ax.bar([i + k * width for i in range(len(points))], values, width, label=system, color=colour[system])
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, rotation=30, ha="right")
         ax.set_ylabel("p50 TTFT (ms)")
         ax.set_yscale("log")
