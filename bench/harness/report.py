@@ -54,9 +54,14 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
     return summary
 
 
+def _index(results: list[dict]) -> dict[tuple[str, int, str], dict]:
+    """(system, replicas, point) -> the measured result."""
+    return {(r["system"], r["replicas"], r["point"]): r for r in results if r.get("summary")}
+
+
 def ratios(results: list[dict]) -> list[dict]:
     """Iris / peer for each load point and replica count, from the same run."""
-    index = {(r["system"], r["replicas"], r["point"]): r for r in results if r.get("summary")}
+    index = _index(results)
     rows = []
     for (system, replicas, point), iris in index.items():
         if system != IRIS:
@@ -84,6 +89,7 @@ def _fmt(value, digits: int = 0) -> str:
 
 def markdown(run: dict) -> str:
     results = [r for r in run["results"] if r.get("summary")]
+    index = _index(results)
     systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
     points = list(dict.fromkeys(r["point"] for r in results))
     lines = [f"# Iris vs Ray Serve LLM vs `vllm serve` ({run['model']})", "",
@@ -97,7 +103,7 @@ def markdown(run: dict) -> str:
         for point in points:
             cells = []
             for system in systems:
-                r = next((x for x in results if (x["system"], x["replicas"], x["point"]) == (system, replicas, point)), None)
+                r = index.get((system, replicas, point))
                 if r is None:
                     cells.append("")
                     continue
@@ -144,6 +150,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     results = [r for r in run["results"] if r.get("summary")]
+    index = _index(results)
     replica_counts = sorted({r["replicas"] for r in results})
     systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
     # One colour per system in every panel, whichever systems a panel has.
@@ -165,12 +172,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Latency vs load (CPU, {run['model']})")
-    fig.tight_layout()
-    path = out_prefix.with_name(out_prefix.name + "_latency_vs_load.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    saved.append(path)
+    saved.append(_finish(plt, fig, f"Latency vs load (CPU, {run['model']})", out_prefix, "latency_vs_load"))
 
     # p50 TTFT per load point, grouped by system.
     points = list(dict.fromkeys(r["point"] for r in results if not r.get("sweep")))
@@ -181,7 +183,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
         for k, system in enumerate(systems):
             values = []
             for point in points:
-                r = next((x for x in results if (x["system"], x["replicas"], x["point"]) == (system, replicas, point)), None)
+                r = index.get((system, replicas, point))
                 values.append(r["summary"]["ttft_ms"]["p50"] if r and r["summary"]["ttft_ms"]["p50"] else 0)
             ax.bar([i + k * width for i in range(len(points))], values, width, label=system, color=colour[system])
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, rotation=30, ha="right")
@@ -190,10 +192,14 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
         ax.set_title(f"{replicas} decode replica(s)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"p50 TTFT by workload (CPU, {run['model']})")
+    saved.append(_finish(plt, fig, f"p50 TTFT by workload (CPU, {run['model']})", out_prefix, "ttft_by_workload"))
+    return saved
+
+
+def _finish(plt, fig, title: str, out_prefix: Path, suffix: str) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
-    path = out_prefix.with_name(out_prefix.name + "_ttft_by_workload.png")
+    path = out_prefix.with_name(f"{out_prefix.name}_{suffix}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    saved.append(path)
-    return saved
+    return path
