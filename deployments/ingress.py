@@ -174,8 +174,8 @@ class Ingress:
             return self._error(server_error("internal error", code="internal_error"))
         headers = {"x-iris-images": f"cached={images.cached},computed={images.computed}"}
         if chat.stream:
-            return StreamingResponse(self._stream(chat, request_id, chunks), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(self._sse(self._stream(chat, request_id, chunks), chunks),
+                                     media_type="text/event-stream", headers=headers)
         return await self._collect(request_id, chunks, headers)
 
     @app.post("/v1/completions")
@@ -210,7 +210,7 @@ class Ingress:
             return self._error(server_error("internal error", code="internal_error"))
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return StreamingResponse(self._text_stream(request_id, chunks, include_usage),
+            return StreamingResponse(self._sse(self._text_stream(request_id, chunks, include_usage), chunks),
                                      media_type="text/event-stream")
         return await self._text_collect(request_id, chunks)
 
@@ -369,29 +369,19 @@ class Ingress:
         model = self.config.model_name
         for i in range(chat.sampling.n or 1):
             yield openai_format.chunk(request_id, model, {"role": "assistant", "content": ""}, index=i)
-        try:
-            async for c in chunks:
-                if c.error:  # the engine rejected the request after the stream started
-                    self._outcome("client_error")
-                    yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
-                    break
-                if c.text or c.finish_reason or c.logprobs:
-                    delta = {"content": c.text} if c.text else {}
-                    yield openai_format.chunk(request_id, model, delta, c.finish_reason, index=c.index,
-                                              logprobs=c.logprobs, stop_reason=c.stop_reason)
-                if c.done and chat.include_usage:
-                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-                    yield openai_format.chunk(request_id, model, {}, usage=usage, choices=False)
-            else:
-                self._outcome("ok")
-            yield openai_format.DONE
-        except Exception:  # the stream has started: report in-band, as OpenAI does
-            logger.exception("stream failed")
-            self._outcome("server_error")
-            yield openai_format.sse(server_error("internal error", code="internal_error").to_dict())
-            yield openai_format.DONE
-        finally:
-            await chunks.aclose()
+        async for c in chunks:
+            if c.error:  # the engine rejected the request after the stream started
+                self._outcome("client_error")
+                yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
+                return
+            if c.text or c.finish_reason or c.logprobs:
+                delta = {"content": c.text} if c.text else {}
+                yield openai_format.chunk(request_id, model, delta, c.finish_reason, index=c.index,
+                                          logprobs=c.logprobs, stop_reason=c.stop_reason)
+            if c.done and chat.include_usage:
+                usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                yield openai_format.chunk(request_id, model, {}, usage=usage, choices=False)
+        self._outcome("ok")
 
     async def _text_collect(self, request_id, chunks):
         choices: dict[int, dict] = {}
@@ -412,20 +402,26 @@ class Ingress:
 
     async def _text_stream(self, request_id, chunks, include_usage: bool):
         model = self.config.model_name
+        async for c in chunks:
+            if c.error:
+                self._outcome("client_error")
+                yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
+                return
+            if c.text or c.finish_reason:
+                yield openai_format.text_chunk(request_id, model, [
+                    openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason)])
+            if c.done and include_usage:
+                usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                yield openai_format.text_chunk(request_id, model, [], usage=usage)
+        self._outcome("ok")
+
+    async def _sse(self, events, chunks):
+        """The body of a streamed answer: the events, then [DONE]. Once the stream has
+        started, a failure is reported in-band, as OpenAI does; the decode stream is
+        closed whatever happens."""
         try:
-            async for c in chunks:
-                if c.error:
-                    self._outcome("client_error")
-                    yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
-                    break
-                if c.text or c.finish_reason:
-                    yield openai_format.text_chunk(request_id, model, [
-                        openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason)])
-                if c.done and include_usage:
-                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-                    yield openai_format.text_chunk(request_id, model, [], usage=usage)
-            else:
-                self._outcome("ok")
+            async for event in events:
+                yield event
             yield openai_format.DONE
         except Exception:
             logger.exception("stream failed")
