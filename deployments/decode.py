@@ -128,7 +128,6 @@ class LLMDecode:
                     for c in o.outputs:
                         ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
                         ch.text += c.text
-                        ch.token_ids += list(c.token_ids)
                         completion_tokens += len(c.token_ids)
                         if c.logprobs is not None and top_n is not None:
                             ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs, tokenizer, top_n)

@@ -52,7 +52,6 @@ class DecodeChunk:
     index: int = 0  # the choice
     stop_reason: int | str | None = None
     logprobs: list[dict] | None = None  # OpenAI chat logprobs entries for this delta's tokens
-    token_ids: list[int] = field(default_factory=list)
     done: bool = False  # the request's last chunk: carries the token counts
     prompt_tokens: int = 0
     completion_tokens: int = 0
