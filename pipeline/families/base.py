@@ -91,8 +91,15 @@ class FamilyAdapter(ABC):
     def load_vision(self, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
         """Load only the vision tower and projector weights (never the language model)."""
         module = self.build_vision()
-        module.load_state_dict(load_prefixed(self.checkpoint, self.vision_weight_prefixes), strict=True)
+        weights = load_prefixed(self.checkpoint, self.vision_weight_prefixes)
+        weights = {name: w for name, w in weights.items() if not self.unused_vision_weight(name)}
+        module.load_state_dict(weights, strict=True)
         self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
+
+    def unused_vision_weight(self, name: str) -> bool:
+        """Whether a checkpoint weight belongs to a part of the tower that is not built
+        because the features never depend on it (e.g. layers past the feature layer)."""
+        return False
 
     @abstractmethod
     def encode(self, batch: list[PixelInputs]) -> list[Features]:

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import torch
 from PIL import Image
 
 from cache_service.codec import Features
 from pipeline.families.base import FamilyAdapter, PixelInputs, tensor_problem, token_count_problem
+
+_LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.")
+
+
+def feature_layer_count(llava_config) -> int:
+    """Encoder layers up to and including `vision_feature_layer` (hidden state 0 is the embeddings)."""
+    layer = llava_config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"LLaVA adapter supports one vision_feature_layer, got {layer!r}")
+    total = llava_config.vision_config.num_hidden_layers
+    if not -(total + 1) <= layer <= total:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {total} layers")
+    return layer % (total + 1)
 
 
 class LlavaVision(torch.nn.Module):
@@ -16,16 +32,18 @@ class LlavaVision(torch.nn.Module):
 
         super().__init__()
         llava_config = LlavaConfig(**config)
-        self.feature_layer = llava_config.vision_feature_layer
         self.select_strategy = llava_config.vision_feature_select_strategy
         vision_config = llava_config.vision_config
         if not isinstance(vision_config, CLIPVisionConfig):
             raise ValueError(f"LLaVA adapter supports CLIP vision towers, got {type(vision_config).__name__}")
+        # Build the tower only up to the feature layer, as vLLM does: LLaVA-1.5 reads layer -2,
+        # so the last layer would be computed for nothing (1/24 of CLIP-L, 1/12 of the bench tower).
+        vision_config.num_hidden_layers = feature_layer_count(llava_config)
         self.vision_tower = CLIPVisionModel(vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(llava_config)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        hidden = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
+        hidden = self.vision_tower(pixel_values).last_hidden_state  # the feature layer's output
         if self.select_strategy == "default":
             hidden = hidden[:, 1:]  # drop CLS
         return self.multi_modal_projector(hidden)
@@ -53,6 +71,17 @@ class LlavaAdapter(FamilyAdapter):
 
     def build_vision(self) -> torch.nn.Module:
         return LlavaVision(self.config)
+
+    def unused_vision_weight(self, name: str) -> bool:
+        # Layers past the feature layer are not built (see LlavaVision).
+        match = _LAYER.match(name)
+        return match is not None and int(match.group(1)) >= self.vision_layers_built
+
+    @functools.cached_property
+    def vision_layers_built(self) -> int:
+        from transformers import LlavaConfig
+
+        return feature_layer_count(LlavaConfig(**self.config))
 
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
