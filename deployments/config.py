@@ -6,7 +6,7 @@ are Serve's own `deployments:` options in serve_config.yaml.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -32,7 +32,12 @@ class IrisConfig(BaseModel):
     max_images_per_prompt: int = Field(
         4, ge=1, le=64, description="Images accepted in one request (like vLLM's --limit-mm-per-prompt)."
     )
-    encoder_batch_size: int = Field(8, ge=1, le=1024, description="Most images per vision-encoder forward pass.")
+    encoder_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        "auto",
+        description="Most images per vision-encoder forward pass. auto: 8 on a GPU, where a batch costs "
+        "little more than one image; 1 on the CPU, where a batch costs the sum of its images (the "
+        "GEMMs are compute-bound already), so batching would only hold finished images back.",
+    )
     encoder_batch_wait_s: float = Field(
         0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
     )

@@ -29,6 +29,9 @@ from pipeline.models.source import resolve_model
 from pipeline.stage_io import EncodedImage
 
 
+GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
+
+
 @dataclass
 class _Queued:
     pixels: PixelInputs
@@ -55,7 +58,10 @@ class VisionEncoder:
         # Batch cost units make one limit do two jobs: with a token budget T and a
         # count N, an image costs max(min(tokens, T) * N, T) of N * T, so a batch
         # holds at most N images and about T tokens (an image above T runs alone).
-        self.max_tokens, self.max_images = config.encoder_batch_max_tokens, config.encoder_batch_size
+        self.max_tokens = config.encoder_batch_max_tokens
+        self.max_images = config.encoder_batch_size
+        if self.max_images == "auto":
+            self.max_images = GPU_BATCH_SIZE if device == "cuda" else 1
         self._forward.set_max_batch_size(self.max_images * (self.max_tokens or 1))
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
         self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
