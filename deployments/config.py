@@ -35,8 +35,8 @@ class IrisConfig(BaseModel):
     encoder_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
         "auto",
         description="Most images per vision-encoder forward pass. auto: 8 on a GPU, where a batch costs "
-        "little more than one image; 1 on the CPU, where a batch costs the sum of its images (the "
-        "GEMMs are compute-bound already), so batching would only hold finished images back.",
+        "little more than one image; 1 on the CPU, where a batch costs nearly the sum of its images "
+        "(bench/encoder_cpu.py), so batching would mostly hold finished images back.",
     )
     encoder_batch_wait_s: float = Field(
         0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
