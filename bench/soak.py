@@ -129,7 +129,8 @@ async def _run(system, minutes: float, concurrency: int, sample_s: float, seed: 
         t = time.perf_counter() - t0
         for name, pid in serving_processes(roots).items():
             try:
-                samples.append({"t": round(t, 2), "name": name, "pid": pid, "rss": psutil.Process(pid).memory_info().rss})
+                rss = psutil.Process(pid).memory_info().rss
+                samples.append({"t": round(t, 2), "name": name, "pid": pid, "rss": rss})
             except psutil.Error:
                 pass
         await asyncio.wait([load], timeout=sample_s)

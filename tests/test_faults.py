@@ -327,7 +327,8 @@ def test_replica_killed_mid_run(fault_app, deployment):
             fresh = [p for p in _replica_processes(deployment) if p.pid != victim.pid]
             if fresh and status == "HEALTHY":
                 break
-            assert time.monotonic() - killed < 300, f"{deployment} not replaced: {status}"  # vLLM starts slowly on a busy box
+            # (vLLM takes ~40 s to start here, minutes when the box is loaded)
+            assert time.monotonic() - killed < 300, f"{deployment} not replaced: {status}"
             await asyncio.sleep(0.5)
         outcome["replaced_after_s"] = time.monotonic() - killed
         await asyncio.sleep(2)
