@@ -327,8 +327,8 @@ def test_replica_killed_mid_run(fault_app, deployment):
             fresh = [p for p in _replica_processes(deployment) if p.pid != victim.pid]
             if fresh and status == "HEALTHY":
                 break
-            # (vLLM takes ~40 s to start here, minutes when the box is loaded)
-            assert time.monotonic() - killed < 300, f"{deployment} not replaced: {status}"
+            # (vLLM starts in ~40 s on an idle 2-core box; it took over 5 min at load average 28)
+            assert time.monotonic() - killed < 600, f"{deployment} not replaced: {status}"
             await asyncio.sleep(0.5)
         outcome["replaced_after_s"] = time.monotonic() - killed
         await asyncio.sleep(2)
