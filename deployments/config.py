@@ -83,7 +83,16 @@ class IrisConfig(BaseModel):
         "whether another sent an image; true saves encoder work when all tenants trust each other.",
     )
     request_timeout_s: float = Field(
-        300, gt=0, description="Upper bound on one request's image work (fetch, preprocess, encode)."
+        300, gt=0,
+        description="Upper bound on one request, from arrival to its last token (image work, queueing, "
+        "decoding). Past it the client gets 504 `timeout` (in-band once a stream has started) and the "
+        "request's work is cancelled in every stage.",
+    )
+    max_tokens_limit: int | None = Field(
+        4096, ge=1,
+        description="Most tokens one request may generate: a larger `max_tokens` / `max_completion_tokens` "
+        "is a 400 naming the parameter, and a request without one generates at most this many. "
+        "None: bounded by the context length only, as in vLLM.",
     )
 
     @field_validator("engine_args")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import torch
 from ray import serve
@@ -54,6 +55,7 @@ class LLMDecode:
         # The checkpoint's generation_config defaults, as `vllm serve` applies them.
         self.default_sampling_params = self.engine.model_config.get_diff_sampling_param()
         self.stream_interval_s = config.stream_interval_s
+        self.max_tokens_limit = config.max_tokens_limit  # larger requests were refused by the ingress
         # Values read from Redis must carry the fingerprint of their key and look like this
         # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
         feature_dtype = getattr(torch, dtype)
@@ -65,8 +67,18 @@ class LLMDecode:
         self.prefix_hit_tokens = metrics.Counter(
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
+        self.generating = 0  # generate() calls in progress on this replica
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        self.generating += 1
+        try:
+            async with aclosing(self._generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:  # also when the caller cancels or leaves: closing _merged aborted the engine request
+            self.generating -= 1
+
+    async def _generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -111,7 +123,8 @@ class LLMDecode:
             engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
         try:  # as vLLM's serving_chat: the max_tokens default and generation_config come in here
-            max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params)
+            max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params,
+                                        override_max_tokens=self.max_tokens_limit)  # also caps the default
             params = req.to_sampling_params(max_tokens, self.default_sampling_params)
         except (ValueError, VLLMClientError) as err:
             yield DecodeChunk(error={"message": str(err), "code": "invalid_request",
@@ -122,38 +135,43 @@ class LLMDecode:
         top_n = req.top_logprobs if request.prompt is None and req.logprobs else None
         completion_tokens = 0
         try:
-            async for outs in _merged(self.engine.generate(engine_prompt, params, request.request_id),
-                                      self.stream_interval_s):
-                choices: dict[int, DecodeChunk] = {}
-                for o in outs:
-                    for c in o.outputs:
-                        ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
-                        ch.text += c.text
-                        completion_tokens += len(c.token_ids)
-                        if c.logprobs is not None and top_n is not None:
-                            ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs, tokenizer, top_n)
-                        if c.finish_reason:
-                            ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
-                out = outs[-1]
-                chunks = [choices[i] for i in sorted(choices)] or [DecodeChunk()]
-                if out.finished:
-                    last = chunks[-1]
-                    last.done = True
-                    last.prompt_tokens = len(out.prompt_token_ids or [])
-                    last.completion_tokens = completion_tokens
-                    last.cached_tokens = out.num_cached_tokens or 0
-                    if last.prompt_tokens:
-                        self.prompt_tokens.inc(last.prompt_tokens)
-                    if last.cached_tokens:
-                        self.prefix_hit_tokens.inc(last.cached_tokens)
-                for ch in chunks:
-                    yield ch
+            async with aclosing(_merged(self.engine.generate(engine_prompt, params, request.request_id),
+                                        self.stream_interval_s)) as merged:
+                async for outs in merged:
+                    choices: dict[int, DecodeChunk] = {}
+                    for o in outs:
+                        for c in o.outputs:
+                            ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
+                            ch.text += c.text
+                            completion_tokens += len(c.token_ids)
+                            if c.logprobs is not None and top_n is not None:
+                                ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs,
+                                                                                  tokenizer, top_n)
+                            if c.finish_reason:
+                                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                    out = outs[-1]
+                    chunks = [choices[i] for i in sorted(choices)] or [DecodeChunk()]
+                    if out.finished:
+                        last = chunks[-1]
+                        last.done = True
+                        last.prompt_tokens = len(out.prompt_token_ids or [])
+                        last.completion_tokens = completion_tokens
+                        last.cached_tokens = out.num_cached_tokens or 0
+                        if last.prompt_tokens:
+                            self.prompt_tokens.inc(last.prompt_tokens)
+                        if last.cached_tokens:
+                            self.prefix_hit_tokens.inc(last.cached_tokens)
+                    for ch in chunks:
+                        yield ch
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
                                      "param": getattr(err, "parameter", None) or "messages"})
 
     def stats(self) -> dict:
-        return {"cache": self.cache.stats()}
+        # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
+        # finished or went away, since a cancelled generate() aborts its engine request.
+        return {"cache": self.cache.stats(), "generating": self.generating,
+                "engine_unfinished": self.engine.get_num_unfinished_requests()}
 
     def _check_length(self, n_prompt: int, max_tokens: int | None) -> str | None:
         """vLLM would silently cut max_tokens; OpenAI answers 400 instead."""

@@ -69,6 +69,7 @@ class VisionEncoder:
         self.batch_seconds = latency_histogram("iris_encoder_batch_seconds", "Seconds per vision-encoder forward pass")
         self.images_encoded = 0
         self.batches = 0
+        self.encoding = 0  # encode() calls in progress
 
     def get_fingerprint(self) -> str:
         return self.fingerprint
@@ -78,6 +79,13 @@ class VisionEncoder:
         (Serve resolves the pending response the ingress passed); its client error passes through."""
         if isinstance(pixels, IrisError):
             return pixels
+        self.encoding += 1
+        try:
+            return await self._encode(key, pixels)
+        finally:
+            self.encoding -= 1
+
+    async def _encode(self, key: str, pixels: PixelInputs) -> EncodedImage | IrisError:
         if fingerprint_of(key) != self.fingerprint:
             # A rolling update: the ingress keyed this image for other weights. Never store
             # our features under another model's key; the ingress refetches the fingerprint.
@@ -109,4 +117,5 @@ class VisionEncoder:
         return features
 
     def stats(self) -> dict:
-        return {"images_encoded": self.images_encoded, "batches": self.batches, "cache": self.cache.stats()}
+        return {"images_encoded": self.images_encoded, "batches": self.batches, "encoding": self.encoding,
+                "cache": self.cache.stats()}

@@ -15,6 +15,7 @@ recomputes it (or answers 409 for an upload-free image).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
 
@@ -39,7 +41,7 @@ from pipeline.json_body import parse_json_body
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
-from pipeline.vllm_sampling import validate_sampling
+from pipeline.vllm_sampling import check_max_tokens, validate_sampling
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
@@ -91,8 +93,56 @@ def _cache_miss(indexes: list[int]) -> IrisError:
         status_code=409, param="messages", code="mm_cache_miss", extra={"missing": indexes})
 
 
+def _stage_failed(err: BaseException | None) -> bool:
+    """Whether `err` says a replica of a downstream stage died or became unreachable
+    (killed, crashed, its node lost), as opposed to a bug."""
+    for _ in range(8):  # causes nest: a task error caused by an actor's death, ...
+        if err is None:
+            return False
+        if isinstance(err, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError)):
+            return True
+        err = err.cause if isinstance(err, RayTaskError) else err.__cause__
+    return False
+
+
+def _replica_unavailable() -> IrisError:
+    return server_error("a serving replica failed while handling this request; retry it",
+                        code="replica_unavailable", status_code=503)
+
+
+def _timed_out(timeout_s: float) -> IrisError:
+    return server_error(f"the request took longer than the server's limit of {timeout_s:g} s",
+                        code="timeout", status_code=504)
+
+
 async def _none():
     return None
+
+
+async def _until(deadline: float, items):
+    """`items` while the event loop's clock is before `deadline`; TimeoutError after.
+    Closing it closes `items`. (The timeout scope never spans a yield: the consumer awaits
+    other things in between, e.g. sending to the client.)"""
+    try:
+        while True:
+            async with asyncio.timeout_at(deadline):
+                try:
+                    item = await anext(items)
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        await items.aclose()
+
+
+async def _first_chunk(stream):
+    """The decode stream's first chunk; a caller that stops waiting (timeout, disconnect)
+    cancels the decode request with it."""
+    try:
+        return await stream.__anext__()
+    except BaseException:
+        stream.cancel()
+        raise
 
 
 async def _prepend(first, stream):
@@ -119,6 +169,7 @@ class Ingress:
         self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
         self._inflight: dict[str, asyncio.Task[EncodedImage]] = {}  # key -> its running encode
+        self._waiters: Counter[str] = Counter()  # key -> requests waiting for its running encode
         self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
         # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)
@@ -155,24 +206,25 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         start = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         try:
-            body = await _json_body(request, self.max_body_bytes)
-            chat = parse_chat_request(body, self.config.max_images_per_prompt)
-            if chat.model and chat.model != self.config.model_name:
-                raise not_found(f"The model `{chat.model}` does not exist; this server serves "
-                                f"`{self.config.model_name}`.", param="model", code="model_not_found")
-            tenant = tenant_of(request.headers, self.config.tenant_header)
-            images = await asyncio.wait_for(self._features(chat, tenant), self.config.request_timeout_s)
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            chunks = await self._start_decode(chat, images, request_id, start, tenant)
+            async with asyncio.timeout_at(deadline):
+                body = await _json_body(request, self.max_body_bytes)
+                chat = parse_chat_request(body, self.config.max_images_per_prompt)
+                check_max_tokens(chat.sampling, self.config.max_tokens_limit)
+                if chat.model and chat.model != self.config.model_name:
+                    raise not_found(f"The model `{chat.model}` does not exist; this server serves "
+                                    f"`{self.config.model_name}`.", param="model", code="model_not_found")
+                tenant = tenant_of(request.headers, self.config.tenant_header)
+                images = await self._features(chat, tenant)
+                request_id = f"chatcmpl-{uuid.uuid4().hex}"
+                chunks = await self._start_decode(chat, images, request_id, start, tenant)
         except IrisError as err:
             return self._error(err)
-        except asyncio.TimeoutError:
-            return self._error(server_error("image processing timed out", code="timeout", status_code=504))
-        except Exception:  # a bug or a dead replica: log it, answer 500, keep serving
-            logger.exception("chat completion failed")
-            return self._error(server_error("internal error", code="internal_error"))
+        except Exception as err:  # past the deadline (504), a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "chat completion failed"))
         headers = {"x-iris-images": f"cached={images.cached},computed={images.computed}"}
+        chunks = _until(deadline, chunks)
         if chat.stream:
             return StreamingResponse(self._sse(self._stream(chat, request_id, chunks), chunks),
                                      media_type="text/event-stream", headers=headers)
@@ -182,33 +234,38 @@ class Ingress:
     async def completions(self, request: Request):
         """Text prompts, with the chat endpoint's sampling surface (vLLM's CompletionRequest)."""
         start = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         try:
-            body = await _json_body(request, self.max_body_bytes)
-            req = validate_sampling(body, "completion")
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
-            if not isinstance(prompt, str):
-                raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
-            if req.logprobs is not None:
-                raise bad_request("logprobs is not supported on /v1/completions by this server", param="logprobs",
-                                  code="unsupported_parameter")
-            if req.model and req.model != self.config.model_name:
-                raise not_found(f"The model `{req.model}` does not exist; this server serves "
-                                f"`{self.config.model_name}`.", param="model", code="model_not_found")
-            request_id = f"cmpl-{uuid.uuid4().hex}"
-            tenant = tenant_of(request.headers, self.config.tenant_header)
-            stream = self.decode.options(stream=True).generate.remote(
-                DecodeRequest(request_id, None, [], req, tenant=tenant, prompt=prompt))
-            first: DecodeChunk = await stream.__anext__()
-            if first.error:
-                raise bad_request(first.error["message"], param=first.error.get("param"), code=first.error["code"])
-            self.ttft.observe(time.perf_counter() - start)
-            chunks = _prepend(first, stream)
+            async with asyncio.timeout_at(deadline):
+                body = await _json_body(request, self.max_body_bytes)
+                req = validate_sampling(body, "completion")
+                check_max_tokens(req, self.config.max_tokens_limit)
+                prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+                if not isinstance(prompt, str):
+                    raise bad_request("prompt must be a string (token ids and batches are not supported)",
+                                      param="prompt")
+                if req.logprobs is not None:
+                    raise bad_request("logprobs is not supported on /v1/completions by this server",
+                                      param="logprobs", code="unsupported_parameter")
+                if req.model and req.model != self.config.model_name:
+                    raise not_found(f"The model `{req.model}` does not exist; this server serves "
+                                    f"`{self.config.model_name}`.", param="model", code="model_not_found")
+                request_id = f"cmpl-{uuid.uuid4().hex}"
+                tenant = tenant_of(request.headers, self.config.tenant_header)
+                stream = self.decode.options(stream=True).generate.remote(
+                    DecodeRequest(request_id, None, [], req, tenant=tenant, prompt=prompt))
+                first: DecodeChunk = await _first_chunk(stream)
+                if first.error:
+                    raise bad_request(first.error["message"], param=first.error.get("param"),
+                                      code=first.error["code"])
+                self.ttft.observe(time.perf_counter() - start)
+                chunks = _prepend(first, stream)
         except IrisError as err:
             return self._error(err)
-        except Exception:
-            logger.exception("completion failed")
-            return self._error(server_error("internal error", code="internal_error"))
+        except Exception as err:  # past the deadline (504), a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "completion failed"))
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        chunks = _until(deadline, chunks)
         if req.stream:
             return StreamingResponse(self._sse(self._text_stream(request_id, chunks, include_usage), chunks),
                                      media_type="text/event-stream")
@@ -285,23 +342,47 @@ class Ingress:
                 joined.append(key)
             elif key not in self._known:
                 index = images.keys.index(key)
-                self._inflight[key] = asyncio.ensure_future(self._encode_one(ImageJob(index, key, images.datas[index])))
+                self._start_encode(ImageJob(index, key, images.datas[index]))
                 own.append(key)
         names = own + joined
-        # shield: a request that times out or disconnects must not cancel the work others share.
-        results = await asyncio.gather(*(asyncio.shield(self._inflight[k]) for k in names), return_exceptions=True)
+        results = await asyncio.gather(*(self._join(k) for k in names), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         images.computed += len(own)
         images.delivered.update({r.key: r.features_ref for r in results})
 
+    def _start_encode(self, job: ImageJob) -> None:
+        # A context of its own: Serve cancels the calls a request made when the request is
+        # cancelled, but other requests may join this work. It stops when its last waiter leaves.
+        self._inflight[job.key] = asyncio.get_running_loop().create_task(
+            self._encode_one(job), context=contextvars.Context())
+
+    async def _join(self, key: str) -> EncodedImage:
+        """Wait for the running encode of `key`; the last waiter to leave (timeout,
+        disconnect) cancels it, so no stage keeps working for nobody."""
+        task = self._inflight[key]
+        self._waiters[key] += 1
+        try:
+            return await asyncio.shield(task)  # one waiter leaving must not cancel it for the others
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
+                task.cancel()  # a no-op once it is done
+
     async def _encode_one(self, job: ImageJob) -> EncodedImage:
         try:
             # Serve passes Preprocess's pending result into the encoder call (model composition):
             # the pixels go through the object store, and Preprocess is free once they are made.
             pixels = self.preprocess.pixels.remote(job)
-            result = await self.encoder.encode.remote(job.key, pixels)
+            encoded = self.encoder.encode.remote(job.key, pixels)
+            try:
+                result = await encoded
+            except asyncio.CancelledError:
+                encoded.cancel()  # stop the replicas' work too (queued encoder batches drop it)
+                pixels.cancel()
+                raise
             if isinstance(result, IrisError):
                 if result.code == "model_changed":
                     self._fingerprint = None  # keys of later requests use the new weights' fingerprint
@@ -320,7 +401,7 @@ class Ingress:
         for attempt in range(2):
             request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered, tenant)
             stream = self.decode.options(stream=True).generate.remote(request)
-            first: DecodeChunk = await stream.__anext__()
+            first: DecodeChunk = await _first_chunk(stream)
             if first.error and first.error["code"] == "model_changed":
                 self._fingerprint = None  # later requests key their images for the new weights
                 raise IrisError(first.error["message"], status_code=503, code="model_changed")
@@ -338,27 +419,31 @@ class Ingress:
                            if key in gone and data is None]
             if upload_free:
                 raise _cache_miss(upload_free)
-            if attempt == 0:
-                await asyncio.wait_for(
-                    self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone]),
-                    self.config.request_timeout_s)
+            if attempt == 0:  # (within the request's deadline, like all its work)
+                await self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone])
         raise IrisError("image features could not be delivered to the decoder", status_code=503,
                         code="features_unavailable")
 
     async def _collect(self, request_id, chunks, headers):
         choices: dict[int, dict] = {}  # index -> {"text": [...], "finish", "stop", "logprobs"}
         usage = openai_format.Usage()
-        async for c in chunks:
-            if c.error:
-                return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
-            ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
-            ch["text"].append(c.text)
-            if c.logprobs is not None:
-                ch["logprobs"] = (ch["logprobs"] or []) + c.logprobs
-            if c.finish_reason:
-                ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
-            if c.done:
-                usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        try:
+            async for c in chunks:
+                if c.error:
+                    return self._error(bad_request(c.error["message"], param=c.error.get("param"),
+                                                   code=c.error["code"]))
+                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
+                ch["text"].append(c.text)
+                if c.logprobs is not None:
+                    ch["logprobs"] = (ch["logprobs"] or []) + c.logprobs
+                if c.finish_reason:
+                    ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
+                if c.done:
+                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        except Exception as err:
+            return self._error(self._failure(err, "chat completion failed while decoding"))
+        finally:  # also on cancellation (the client left): the decode request is aborted
+            await chunks.aclose()
         self._outcome("ok")
         body = openai_format.completion(request_id, self.config.model_name, [
             openai_format.choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
@@ -386,15 +471,21 @@ class Ingress:
     async def _text_collect(self, request_id, chunks):
         choices: dict[int, dict] = {}
         usage = openai_format.Usage()
-        async for c in chunks:
-            if c.error:
-                return self._error(bad_request(c.error["message"], param=c.error.get("param"), code=c.error["code"]))
-            ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None})
-            ch["text"].append(c.text)
-            if c.finish_reason:
-                ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
-            if c.done:
-                usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        try:
+            async for c in chunks:
+                if c.error:
+                    return self._error(bad_request(c.error["message"], param=c.error.get("param"),
+                                                   code=c.error["code"]))
+                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None})
+                ch["text"].append(c.text)
+                if c.finish_reason:
+                    ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
+                if c.done:
+                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        except Exception as err:
+            return self._error(self._failure(err, "completion failed while decoding"))
+        finally:
+            await chunks.aclose()
         self._outcome("ok")
         return JSONResponse(openai_format.text_completion(request_id, self.config.model_name, [
             openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"])
@@ -417,19 +508,30 @@ class Ingress:
 
     async def _sse(self, events, chunks):
         """The body of a streamed answer: the events, then [DONE]. Once the stream has
-        started, a failure is reported in-band, as OpenAI does; the decode stream is
-        closed whatever happens."""
+        started, a failure (the deadline, a dead replica) is reported in-band, as OpenAI
+        does; the decode stream is closed whatever happens (a client that leaves aborts it)."""
         try:
             async for event in events:
                 yield event
             yield openai_format.DONE
-        except Exception:
-            logger.exception("stream failed")
+        except Exception as err:
+            error = self._failure(err, "stream failed")
             self._outcome("server_error")
-            yield openai_format.sse(server_error("internal error", code="internal_error").to_dict())
+            yield openai_format.sse(error.to_dict())
             yield openai_format.DONE
         finally:
             await chunks.aclose()
+
+    def _failure(self, err: BaseException, what: str) -> IrisError:
+        """What the client sees of an unexpected exception: 504 past the request's deadline,
+        503 when a replica of a stage died under it, 500 for anything else (a bug)."""
+        if isinstance(err, TimeoutError):
+            return _timed_out(self.config.request_timeout_s)
+        if _stage_failed(err):
+            logger.warning("%s: a replica failed: %r", what, err)
+            return _replica_unavailable()
+        logger.error("%s", what, exc_info=err)
+        return server_error("internal error", code="internal_error")
 
     def _error(self, err: IrisError) -> JSONResponse:
         self._outcome("cache_miss" if err.code == "mm_cache_miss" else

@@ -29,6 +29,7 @@ class Preprocess:
         self.limits = config.media
         self.seconds = latency_histogram("iris_preprocess_seconds", "Seconds to decode and preprocess one image")
         self.images_preprocessed = 0
+        self.preprocessing = 0  # pixels() calls in progress
 
     def _pixels(self, job: ImageJob):
         param = f"image[{job.index}]"
@@ -42,13 +43,16 @@ class Preprocess:
     async def pixels(self, job: ImageJob) -> PixelInputs | IrisError:
         """A client error (bad image) is returned, not raised: it reaches the ingress as a value."""
         start = time.perf_counter()
+        self.preprocessing += 1
         try:
             pixels = await asyncio.to_thread(self._pixels, job)
         except IrisError as err:
             return err
+        finally:
+            self.preprocessing -= 1
         self.seconds.observe(time.perf_counter() - start)
         self.images_preprocessed += 1
         return pixels
 
     def stats(self) -> dict:
-        return {"images_preprocessed": self.images_preprocessed}
+        return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing}

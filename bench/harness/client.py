@@ -19,6 +19,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -132,6 +133,24 @@ class LoadClient:
                 while queue:
                     index, conv = queue.pop()
                     records.extend(await self.conversation(session, index, conv, workload.max_tokens, t0))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return records, time.perf_counter() - t0
+
+    async def closed_loop_until(self, conversations: Iterable[tuple[int, Conversation]], max_tokens: int,
+                                concurrency: int, stop: Callable[[], bool]) -> tuple[list[RequestRecord], float]:
+        """Closed loop over (index, conversation) pairs, e.g. an endless generator, until `stop()`
+        is true or they run out; conversations in progress finish. `records` fill as they end."""
+        source = iter(conversations)
+        records: list[RequestRecord] = []
+        async with self._session(concurrency) as session:
+            t0 = time.perf_counter()
+
+            async def worker():
+                for index, conv in source:  # one shared iterator: each conversation goes to one worker
+                    if stop():
+                        return
+                    records.extend(await self.conversation(session, index, conv, max_tokens, t0))
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return records, time.perf_counter() - t0
