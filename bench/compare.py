@@ -211,7 +211,8 @@ def run_comparison(args, command: str) -> dict:
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
-    combos = [(s, r) for r in replica_counts for s in names if not (s == "rayllm-affinity" and r == 1)]
+    # A router variant differs from its base system only when there are replicas to route between.
+    combos = [(s, r) for r in replica_counts for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)]
     t0 = time.monotonic()
     bar = tqdm(total=len(combos) * len(plan), unit="point", dynamic_ncols=True)
     try:
