@@ -128,8 +128,11 @@ def test_autoscale_summary_sees_preprocess_alone_move_out_and_back():
     summary = scaling_summary(series, "Preprocess", load_end_s=25)
     pre = summary["deployments"]["Preprocess"]
     assert (pre["initial"], pre["peak"], pre["final"]) == (1, 4, 1)
-    assert (pre["first_above_initial_s"], pre["peak_at_s"], pre["back_to_initial_s"]) == (12, 15, 32)
+    assert (pre["decided_out_s"], pre["first_above_initial_s"], pre["peak_at_s"]) == (10, 12, 15)
+    assert (pre["scale_in_started_s"], pre["back_to_initial_s"]) == (30, 32)
     assert summary["moved_out_and_back_alone"]
+    # The same timeline with the load ending after the scale-in began: not "back in after the load".
+    assert not scaling_summary(series, "Preprocess", load_end_s=31)["scaled_back_in"]
     by_replicas = ttft_by_replicas([{"ok": True, "start_s": 5, "ttft_ms": 100.0},
                                     {"ok": True, "start_s": 16, "ttft_ms": 300.0},
                                     {"ok": False, "start_s": 16, "ttft_ms": None}], series["Preprocess"])
