@@ -129,17 +129,19 @@ def scaling_summary(series: dict[str, list[tuple[float, int, int]]], scaled: str
             "first_above_initial_s": next((t for t, r, _ in points if r > initial), None),
             "peak_at_s": peak_at,
             "scale_in_started_s": next((t for t, r, _ in points if t > peak_at and r < peak), None),
+            "running_at_load_end": running_at(points, load_end_s),
             "back_to_initial_s": next((t for t, r, total in points
                                        if t > peak_at and r == initial and total == initial), None),
         }
     mine = out["deployments"].get(scaled)
     others = {d: v for d, v in out["deployments"].items() if d != scaled}
     out["scaled_out"] = bool(mine and mine["peak"] > mine["initial"])
-    # Back in, and only once the load had stopped: a scale-in under load is not the behaviour shown.
-    out["scaled_back_in"] = bool(out["scaled_out"] and mine["back_to_initial_s"] is not None
-                                 and mine["final"] == mine["initial"]
-                                 and mine["scale_in_started_s"] is not None
-                                 and mine["scale_in_started_s"] >= load_end_s)
+    # Still scaled out when the load stopped, back at the initial count only after it. (Under load it
+    # may settle lower than its peak: that is the autoscaler tracking the queue, not scaling in.)
+    out["scaled_back_in"] = bool(out["scaled_out"] and mine["final"] == mine["initial"]
+                                 and (mine["running_at_load_end"] or 0) > mine["initial"]
+                                 and mine["back_to_initial_s"] is not None
+                                 and mine["back_to_initial_s"] >= load_end_s)
     out["others_constant"] = bool(others) and all(v["constant"] for v in others.values())
     out["moved_out_and_back_alone"] = out["scaled_out"] and out["scaled_back_in"] and out["others_constant"]
     return out
@@ -281,6 +283,19 @@ def plot(run: dict, out_prefix: Path) -> Path:
     return path
 
 
+def analyse(run: dict) -> None:
+    """Everything derived from the recorded timeline and requests (also for --reanalyse)."""
+    series = run["timeline"]
+    load = next(p for p in run["phases"] if p["phase"] == "load")
+    before = next(p for p in run["phases"] if p["phase"] == "before")
+    run["scaling"] = scaling_summary(series, SCALED, load["end_s"])
+    run["ttft_by_preprocess_replicas"] = ttft_by_replicas(
+        [r for r in run["requests"] if r["phase"] == "load"], series.get(SCALED, []))
+    run["ceiling"] = ceiling(run["ceiling"]["physical_cores"] if "ceiling" in run else os.cpu_count() or 1,
+                             run["ray_logical_cpus"], before["summary"].get("stage_mean_ms", {}).get("preprocess"),
+                             load["summary"]["req_per_s"])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:tiny-llava",
@@ -295,11 +310,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-cpus", type=int, default=8, help="Ray's logical CPUs (serve_runner's default)")
     parser.add_argument("--name", default="autoscale")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--reanalyse", metavar="JSON", help="recompute the analysis and plot of a saved run, "
+                        "in place, without starting anything")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    if args.reanalyse:
+        path = Path(args.reanalyse)
+        run = json.loads(path.read_text())
+        run["timeline"] = {d: [tuple(p) for p in pts] for d, pts in run["timeline"].items()}
+        analyse(run)
+        run["plot"] = plot(run, path.with_suffix("")).name
+        path.write_text(json.dumps(run, indent=1))
+        print(json.dumps(run["scaling"], indent=1))
+        return
     from bench.compare import _git_commit, _machine, warm_up
     from pipeline.families import adapter_for
     from pipeline.models.source import resolve_model
@@ -316,7 +342,8 @@ def main() -> None:
     run = {"model": args.model, "checkpoint": checkpoint, "commit": _git_commit(), "machine": _machine(),
            "command": " ".join(["python", "bench/autoscale.py", *map(shlex.quote, sys.argv[1:])]),
            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING, "env": AUTOSCALING_ENV, "logs": str(log_dir)}
+           "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING, "env": AUTOSCALING_ENV, "logs": str(log_dir),
+           "ray_logical_cpus": args.num_cpus}
     system = systems.start("iris", 1, engine, log_dir, deployments={SCALED: {"autoscaling_config": PREPROCESS_AUTOSCALING}},
                            env=AUTOSCALING_ENV, status_log=status_log)
     try:
@@ -337,15 +364,8 @@ def main() -> None:
                               "summary": report.summarize([], waited, 0, None)})
     finally:
         system.stop()
-    series = replica_series([line for line in _read_status(status_log) if line["t"] >= t0_wall - 5], t0_wall)
-    load = next(p for p in run["phases"] if p["phase"] == "load")
-    run["timeline"] = series
-    run["scaling"] = scaling_summary(series, SCALED, load["end_s"])
-    run["ttft_by_preprocess_replicas"] = ttft_by_replicas(
-        [r for r in run["requests"] if r["phase"] == "load"], series.get(SCALED, []))
-    before = next(p for p in run["phases"] if p["phase"] == "before")
-    run["ceiling"] = ceiling(os.cpu_count() or 1, args.num_cpus,
-                             before["summary"].get("stage_mean_ms", {}).get("preprocess"), load["summary"]["req_per_s"])
+    run["timeline"] = replica_series([line for line in _read_status(status_log) if line["t"] >= t0_wall - 5], t0_wall)
+    analyse(run)
     run["plot"] = plot(run, out_dir / args.name).name
     (out_dir / f"{args.name}.json").write_text(json.dumps(run, indent=1))
     print(json.dumps({"scaling": run["scaling"], "ttft_by_preprocess_replicas": run["ttft_by_preprocess_replicas"],
