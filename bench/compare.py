@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import report, systems, vllm_bench  # noqa: E402
 from bench.harness.client import LoadClient  # noqa: E402
 from bench.harness.profiler import Profiler  # noqa: E402
+from bench.harness.rr_proxy import RoundRobinProxy  # noqa: E402
 from bench.harness.workloads import ImageSpec, WorkloadFactory, hash_str  # noqa: E402
 
 SWEEP_WORKLOAD = "zipf"
@@ -112,11 +113,15 @@ def image_prompt_chars(checkpoint: str, small_px: int) -> int:
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
             tokenizer: str, profiler: Profiler | None = None) -> dict:
     if point.workload == "random_mm":
-        if len(system.base_urls) > 1:
-            return {"skipped": "vllm bench serve drives one server; no load balancer in front of these"}
-        summary = vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
-                                 point.concurrency, args.seed)
-        return {"summary": summary}
+        if len(system.base_urls) == 1:
+            return {"summary": vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
+                                              point.concurrency, args.seed)}
+        # vLLM's client drives one URL: independent servers get a round-robin proxy in front.
+        with RoundRobinProxy(system.base_urls) as proxy:
+            summary = vllm_bench.run(proxy.url, systems.SERVED_NAME, tokenizer, point.n, point.concurrency,
+                                     args.seed)
+        return {"summary": summary, "load_balancer": f"round-robin proxy (bench/harness/rr_proxy.py) over "
+                f"{len(system.base_urls)} servers, {proxy.requests} requests forwarded"}
     options = dict(point.options)
     if point.workload == "text_as_image":
         options["image_chars"] = image_chars
@@ -211,7 +216,8 @@ def run_comparison(args, command: str) -> dict:
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
-    combos = [(s, r) for r in replica_counts for s in names if not (s == "rayllm-affinity" and r == 1)]
+    # A router variant differs from its base system only when there are replicas to route between.
+    combos = [(s, r) for r in replica_counts for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)]
     t0 = time.monotonic()
     bar = tqdm(total=len(combos) * len(plan), unit="point", dynamic_ncols=True)
     try:

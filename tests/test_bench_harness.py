@@ -108,3 +108,140 @@ def test_quick_run_against_tiny_iris(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("smoke_*.png")) == ["smoke_latency_vs_load.png",
                                                                     "smoke_ttft_by_workload.png"]
     assert run["duration_s"] > 0
+
+
+# ---- scale-out: autoscale timeline analysis, router variant, vLLM core binding (no cluster needed)
+
+def _status(t, **replicas):
+    return {"t": t, "replicas": {d: ({"RUNNING": r} if isinstance(r, int) else r) for d, r in replicas.items()}}
+
+
+def test_autoscale_summary_sees_preprocess_alone_move_out_and_back():
+    from bench.autoscale import replica_series, scaling_summary, ttft_by_replicas
+
+    steady = {"VisionEncoder": 1, "LLMDecode": 1}
+    lines = [_status(100, Preprocess=1, **steady), _status(110, Preprocess={"RUNNING": 1, "STARTING": 1}, **steady),
+             _status(112, Preprocess=2, **steady), _status(115, Preprocess=4, **steady),
+             _status(130, Preprocess={"RUNNING": 1, "STOPPING": 3}, **steady), _status(132, Preprocess=1, **steady)]
+    series = replica_series(lines, t0=100)
+    assert series["Preprocess"][1] == (10, 1, 2)  # (seconds since t0, RUNNING, all states)
+    summary = scaling_summary(series, "Preprocess", load_end_s=25)
+    pre = summary["deployments"]["Preprocess"]
+    assert (pre["initial"], pre["peak"], pre["final"]) == (1, 4, 1)
+    assert (pre["decided_out_s"], pre["first_above_initial_s"], pre["peak_at_s"]) == (10, 12, 15)
+    assert (pre["scale_in_started_s"], pre["back_to_initial_s"]) == (30, 32)
+    assert summary["moved_out_and_back_alone"]
+    assert pre["running_at_load_end"] == 4
+    # Settling lower under load is fine; being back at 1 before the load ended is not "back in after it".
+    assert not scaling_summary(series, "Preprocess", load_end_s=33)["scaled_back_in"]
+    by_replicas = ttft_by_replicas([{"ok": True, "start_s": 5, "ttft_ms": 100.0},
+                                    {"ok": True, "start_s": 16, "ttft_ms": 300.0},
+                                    {"ok": False, "start_s": 16, "ttft_ms": None}], series["Preprocess"])
+    assert by_replicas == {"1": {"requests": 1, "ttft_p50_ms": 100.0, "ttft_mean_ms": 100.0},
+                           "4": {"requests": 1, "ttft_p50_ms": 300.0, "ttft_mean_ms": 300.0}}
+
+    # Another deployment moving, Preprocess never scaling, or never coming back all fail the verdict.
+    moved = [_status(100, Preprocess=1, VisionEncoder=1), _status(110, Preprocess=3, VisionEncoder=2),
+             _status(130, Preprocess=1, VisionEncoder=1)]
+    assert not scaling_summary(replica_series(moved, 100), "Preprocess", 20)["moved_out_and_back_alone"]
+    flat = [_status(100, Preprocess=1, VisionEncoder=1), _status(130, Preprocess=1, VisionEncoder=1)]
+    assert not scaling_summary(replica_series(flat, 100), "Preprocess", 20)["scaled_out"]
+    stuck = [_status(100, Preprocess=1, VisionEncoder=1), _status(110, Preprocess=3, VisionEncoder=1),
+             _status(130, Preprocess=3, VisionEncoder=1)]
+    assert not scaling_summary(replica_series(stuck, 100), "Preprocess", 20)["scaled_back_in"]
+
+
+def test_relabelled_jpeg_is_new_bytes_with_the_same_pixels():
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from bench.autoscale import RelabelledJpeg
+    from bench.harness.workloads import ImageSpec
+
+    base = ImageSpec(5, 64, 48)
+    decoded = [base64.b64decode(u.split(",", 1)[1]) for u in
+               (base.data_url, RelabelledJpeg(base, 1).data_url, RelabelledJpeg(base, 12345).data_url)]
+    assert len(set(decoded)) == 3
+    pixels = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in decoded]
+    assert all(np.array_equal(pixels[0], p) for p in pixels[1:])
+
+
+def test_defaultrouter_config_drops_only_the_router(tmp_path):
+    from bench.harness import systems
+
+    engine = systems.EngineSettings("/ckpt", "float32")
+    with_router = systems.iris_config(engine, 2, 8000, cache=True, namespace="x")
+    without = systems.iris_config(engine, 2, 8000, cache=True, namespace="x", affinity_router=False)
+    decode = {d["name"]: d for d in with_router["applications"][0]["deployments"]}["LLMDecode"]
+    assert decode["request_router_config"]["request_router_class"].endswith("ImageAffinityRouter")
+    decode_default = {d["name"]: d for d in without["applications"][0]["deployments"]}["LLMDecode"]
+    assert "request_router_config" not in decode_default
+    assert {**decode_default, "request_router_config": decode["request_router_config"]} == decode
+    assert "iris-defaultrouter" in systems.ROUTER_VARIANTS  # compare.py runs it with 2+ replicas only
+    tuned = systems.iris_config(engine, 1, 8000, cache=True, namespace="x",
+                                deployments={"Preprocess": {"autoscaling_config": {"max_replicas": 4}}})
+    assert {d["name"]: d for d in tuned["applications"][0]["deployments"]}["Preprocess"]["autoscaling_config"] == {
+        "max_replicas": 4}
+    with pytest.raises(ValueError, match="Preproces"):
+        systems.iris_config(engine, 1, 8000, cache=True, namespace="x", deployments={"Preproces": {}})
+
+
+def test_vllm_replicas_get_cores_of_their_own():
+    from bench.harness.systems import vllm_cpu_binding
+
+    assert vllm_cpu_binding(0, 1, [0, 1]) == {}  # one engine: vLLM's default
+    assert [vllm_cpu_binding(i, 2, [0, 1]) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert [vllm_cpu_binding(i, 2, [0, 1, 2, 3]) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+    assert vllm_cpu_binding(2, 3, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def test_round_robin_proxy_alternates_backends_and_streams():
+    """Two real HTTP servers behind the proxy vLLM's bench client is given for `vllm serve` ×2."""
+    import asyncio
+    import threading
+
+    import httpx
+    from aiohttp import web
+
+    from bench.harness.rr_proxy import RoundRobinProxy
+    from bench.harness.systems import free_port
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    ports, runners = [free_port(), free_port()], []
+
+    async def serve(name: str, port: int):
+        async def chat(request):
+            body = await request.json()
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            for piece in (name, body["say"], "[DONE]"):
+                await response.write(f"data: {piece}\n\n".encode())
+            return response
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+
+    for name, port in zip("ab", ports):
+        asyncio.run_coroutine_threadsafe(serve(name, port), loop).result(10)
+    try:
+        with RoundRobinProxy([f"http://127.0.0.1:{p}" for p in ports]) as proxy:
+            texts = [httpx.post(f"{proxy.url}/v1/chat/completions", json={"say": f"hi{i}"}, timeout=10).text
+                     for i in range(4)]
+            assert proxy.requests == 4
+            missing = httpx.get(f"{proxy.url}/nope", timeout=10)
+        assert [t.split("\n\n")[0] for t in texts] == ["data: a", "data: b", "data: a", "data: b"]
+        assert all(f"data: hi{i}\n\ndata: [DONE]" in t for i, t in enumerate(texts))
+        assert missing.status_code == 404  # the backend's answer, passed through
+    finally:
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)

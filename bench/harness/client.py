@@ -123,19 +123,23 @@ class LoadClient:
             history = chat_messages(history, turn, True) + [{"role": "assistant", "content": answer.text}]
         return records
 
-    async def closed_loop(self, workload: Workload, concurrency: int) -> tuple[list[RequestRecord], float]:
+    async def closed_loop(self, workload: Workload, concurrency: int, duration_s: float | None = None,
+                          t0: float | None = None) -> tuple[list[RequestRecord], float]:
+        """duration_s: start no conversation after this many seconds (those in flight finish), even if
+        the workload has more; t0: the time.perf_counter() that records' start_s count from (default: now)."""
         queue = list(enumerate(workload.conversations))[::-1]
         records: list[RequestRecord] = []
         async with self._session(concurrency) as session:
-            t0 = time.perf_counter()
+            started = time.perf_counter()
+            t0 = started if t0 is None else t0
 
             async def worker():
-                while queue:
+                while queue and (duration_s is None or time.perf_counter() - started < duration_s):
                     index, conv = queue.pop()
                     records.extend(await self.conversation(session, index, conv, workload.max_tokens, t0))
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return records, time.perf_counter() - t0
+            return records, time.perf_counter() - started
 
     async def closed_loop_until(self, conversations: Iterable[tuple[int, Conversation]], max_tokens: int,
                                 concurrency: int, stop: Callable[[], bool]) -> tuple[list[RequestRecord], float]:

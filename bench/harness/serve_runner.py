@@ -6,14 +6,18 @@ its own with logical CPUs above the physical ones (Ray Serve LLM's ingress and
 each of its replicas ask for a whole CPU) and a Prometheus endpoint that
 refreshes every second, so the harness can read counters after each load point.
 
-    python -m bench.harness.serve_runner CONFIG.yaml --num-cpus 8 --metrics-port PORT
+    python -m bench.harness.serve_runner CONFIG.yaml --num-cpus 8 --metrics-port PORT [--status-log FILE]
 
 Prints `READY` once every application is RUNNING, `FAILED <reason>` otherwise.
+With --status-log it then appends one JSON line per --status-interval-s: the
+wall-clock time and each deployment's replica counts by state, from
+`serve.status()` (bench/autoscale.py watches the autoscaler with it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -27,6 +31,8 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=int, default=8)
     parser.add_argument("--metrics-port", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--status-log", help="append replica counts per deployment as JSON lines here")
+    parser.add_argument("--status-interval-s", type=float, default=1.0)
     args = parser.parse_args()
 
     import ray
@@ -56,13 +62,25 @@ def main() -> None:
                 return
             time.sleep(1)
         print("READY", flush=True)
+        next_status = 0.0
         while not stop["now"]:
-            time.sleep(0.2)
+            if args.status_log and time.monotonic() >= next_status:
+                next_status = time.monotonic() + args.status_interval_s
+                _append_status(args.status_log, serve.status())
+            time.sleep(0.1)
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _append_status(path: str, status) -> None:
+    """One line: {"t": wall-clock seconds, "replicas": {deployment: {state: count}}}."""
+    replicas = {name: {str(getattr(state, "value", state)): count for state, count in overview.replica_states.items()}
+                for app in status.applications.values() for name, overview in app.deployments.items()}
+    with open(path, "a") as out:
+        out.write(json.dumps({"t": time.time(), "replicas": replicas}) + "\n")
 
 
 if __name__ == "__main__":

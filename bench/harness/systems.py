@@ -2,10 +2,14 @@
 
     iris              serve_config.yaml with the feature cache in Redis
     iris-nocache      the same with `redis_url: null` (per-process cache only)
+    iris-defaultrouter  the same as iris without its ImageAffinityRouter: Serve's
+                      default router for LLMDecode (only run with 2+ replicas)
     rayllm            Ray Serve LLM: build_openai_app + LLMConfig, default routing
     rayllm-affinity   the same with its PrefixCacheAffinityRouter
     vllm              `vllm serve`'s OpenAI server, one process per replica,
-                      used round-robin by the client as a plain load balancer would
+                      used round-robin by the client as a plain load balancer would;
+                      with several replicas each engine's OpenMP threads get a core
+                      of their own (by default every engine binds core 0)
 
 Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
 cluster each); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
@@ -34,7 +38,9 @@ from bench.harness.metrics import Counters, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
-SYSTEMS = ("iris", "iris-nocache", "rayllm", "rayllm-affinity", "vllm")
+SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "rayllm", "rayllm-affinity", "vllm")
+# Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
+ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
 
 
@@ -103,8 +109,12 @@ def _delete_keys(namespace: str) -> None:
         pass
 
 
-def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str) -> dict:
-    """serve_config.yaml as shipped, pointed at the checkpoint, with `replicas` decode replicas."""
+def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str,
+                affinity_router: bool = True, deployments: dict[str, dict] | None = None) -> dict:
+    """serve_config.yaml as shipped, pointed at the checkpoint, with `replicas` decode replicas.
+
+    affinity_router=False removes LLMDecode's `request_router_config` (Serve's default router);
+    `deployments` overrides settings per deployment name (e.g. a bench-only autoscaling_config)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
@@ -120,6 +130,12 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
         if deployment["name"] == "LLMDecode":
             deployment["autoscaling_config"] = {**deployment.get("autoscaling_config", {}),
                                                 "min_replicas": replicas, "max_replicas": replicas}
+            if not affinity_router:
+                deployment.pop("request_router_config", None)
+        deployment.update(copy.deepcopy((deployments or {}).get(deployment["name"], {})))
+    unknown = set(deployments or {}) - {d["name"] for d in app["deployments"]}
+    if unknown:
+        raise ValueError(f"no such deployments in serve_config.yaml: {sorted(unknown)}")
     return config
 
 
@@ -171,16 +187,20 @@ def _tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:
         # A session of its own, so a stuck system can be killed with everything it started.
         return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
 
-def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path,
-          timeout_s: float = 900) -> RunningSystem:
+def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
+          deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
+          status_log: Path | None = None) -> RunningSystem:
+    """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
+    deployment (iris_config), `env` is added to the runner's environment (so to its Ray cluster's),
+    and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     started = time.monotonic()
@@ -191,14 +211,19 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path,
     namespace = None
     if name.startswith("iris"):
         namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
-        config = iris_config(engine, replicas, port, cache=name == "iris", namespace=namespace)
+        config = iris_config(engine, replicas, port, cache=name != "iris-nocache", namespace=namespace,
+                             affinity_router=name != "iris-defaultrouter", deployments=deployments)
+        config["applications"][0]["runtime_env"]["env_vars"].update(env or {})
     else:
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
     config_file = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".yaml", dir=log_dir)[1])
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     log = log_dir / f"{name}-{replicas}.log"
-    proc = _spawn([sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
-                   "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)], log)
+    cmd = [sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
+           "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)]
+    if status_log is not None:
+        cmd += ["--status-log", str(status_log)]
+    proc = _spawn(cmd, log, env)
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
     try:
@@ -208,6 +233,22 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path,
         raise
     system.start_s = time.monotonic() - started
     return system
+
+
+def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
+    """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine.
+
+    One engine keeps vLLM's default ("auto"). Several would each bind their OpenMP threads to
+    the same core (core 0 on this box), so each gets its own slice of the usable cores instead
+    (VLLM_CPU_OMP_THREADS_BIND takes ids like "0" or "2,3"); with more replicas than cores they
+    share cores round-robin."""
+    if replicas <= 1:
+        return {}
+    ids = sorted(core_ids if core_ids is not None else os.sched_getaffinity(0))
+    if replicas >= len(ids):
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(ids[index % len(ids)])}
+    per = len(ids) // replicas
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, ids[index * per:(index + 1) * per]))}
 
 
 def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float,
@@ -220,7 +261,7 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
                "--enable-prefix-caching", "--limit-mm-per-prompt", f'{{"image": {engine.max_images}}}']
-        procs.append(_spawn(cmd, log))
+        procs.append(_spawn(cmd, log, vllm_cpu_binding(i, replicas)))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)
