@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import torch
 from ray import serve
+from ray.exceptions import ObjectLostError
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
@@ -31,6 +33,8 @@ from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
 from pipeline.vllm_sampling import max_tokens_of
+
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -89,8 +93,19 @@ class LLMDecode:
             yield DecodeChunk(error={"message": "the model was updated while this request was in flight; retry",
                                      "code": "model_changed", "param": None})
             return
-        delivered = dict(zip(request.delivered, await asyncio.gather(*request.delivered.values())))
-        for key, f in delivered.items():
+        delivered = {}
+        for key, f in zip(request.delivered, await asyncio.gather(*request.delivered.values(),
+                                                                   return_exceptions=True)):
+            if isinstance(f, ObjectLostError):
+                # The reference is a shortcut, the cache the record: under heavy load Ray has
+                # answered ReferenceCountingAssertionError for a live reference, and an
+                # encoder replica may have died since. Read it like any other key (below).
+                logger.warning("features of %s could not be fetched from the object store (%s); "
+                               "reading the cache", key, type(f).__name__)
+                continue
+            if isinstance(f, BaseException):
+                raise f
+            delivered[key] = f
             self.cache.remember(key, f)
         features = [delivered.get(k) for k in keys]
         lookup = [k for k, f in zip(keys, features) if f is None]

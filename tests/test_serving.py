@@ -395,3 +395,30 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
     assert len(chunks) == 1 and chunks[0].error["code"] == "model_changed"
     # The ingress, asked normally, still answers.
     assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
+
+
+def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
+    """Features handed over by object-store reference are a shortcut: when fetching the
+    reference fails as Ray failed it under heavy load (ReferenceCountingAssertionError, an
+    ObjectLostError), LLMDecode falls back to the cache and reports what is missing, so the
+    ingress recomputes it, instead of failing the request."""
+    import ray
+    from ray.exceptions import ReferenceCountingAssertionError
+
+    from cache_service.keys import content_key
+    from pipeline.stage_io import DecodeRequest
+
+    _, base, name = app
+
+    @ray.remote(num_cpus=0)
+    def lost_features():
+        raise ReferenceCountingAssertionError("ab" * 28, "", "")
+
+    fingerprint = serve.get_deployment_handle("VisionEncoder", app_name=name).get_fingerprint.remote().result()
+    key = content_key(fingerprint, _unique_png(), _namespace_of(name), "default")
+    request = DecodeRequest("lost-ref-1", [{"role": "user", "content": [{"type": "image"}]}], [key], None,
+                            delivered={key: lost_features.remote()})
+    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
+                  .generate.remote(request))
+    assert len(chunks) == 1 and chunks[0].missing_keys == [key] and not chunks[0].error
+    assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
