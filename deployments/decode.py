@@ -26,7 +26,7 @@ from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.families import adapter_for
 from pipeline.fingerprint import expected_fingerprint
-from pipeline.logprobs import chat_logprobs
+from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
@@ -131,8 +131,10 @@ class LLMDecode:
                                      "param": getattr(err, "parameter", None)})
             return
         params.output_kind = RequestOutputKind.DELTA  # Iris streams internally, and merges deltas itself
-        # Chat logprobs only: /v1/completions refuses them in the ingress.
-        top_n = req.top_logprobs if request.prompt is None and req.logprobs else None
+        # Chat: `logprobs` is a flag and `top_logprobs` the count; completions: `logprobs` is the count.
+        text_api = request.prompt is not None
+        top_n = req.logprobs if text_api else (req.top_logprobs if req.logprobs else None)
+        text_offsets: dict[int, int] = {}  # choice -> where its next token starts in its text (completions)
         completion_tokens = 0
         try:
             async with aclosing(_merged(self.engine.generate(engine_prompt, params, request.request_id),
@@ -144,7 +146,12 @@ class LLMDecode:
                             ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
                             ch.text += c.text
                             completion_tokens += len(c.token_ids)
-                            if c.logprobs is not None and top_n is not None:
+                            if c.logprobs is not None and top_n is not None and text_api:
+                                lp = completion_logprobs(c.token_ids, c.logprobs, tokenizer, top_n,
+                                                         text_offsets.get(c.index, 0))
+                                text_offsets[c.index] = next_text_offset(lp, text_offsets.get(c.index, 0))
+                                ch.logprobs = extend_completion_logprobs(ch.logprobs, lp)
+                            elif c.logprobs is not None and top_n is not None:
                                 ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs,
                                                                                   tokenizer, top_n)
                             if c.finish_reason:

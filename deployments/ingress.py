@@ -38,6 +38,7 @@ from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
 from pipeline.json_body import parse_json_body
+from pipeline.logprobs import extend_completion_logprobs
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
@@ -244,9 +245,6 @@ class Ingress:
                 if not isinstance(prompt, str):
                     raise bad_request("prompt must be a string (token ids and batches are not supported)",
                                       param="prompt")
-                if req.logprobs is not None:
-                    raise bad_request("logprobs is not supported on /v1/completions by this server",
-                                      param="logprobs", code="unsupported_parameter")
                 if req.model and req.model != self.config.model_name:
                     raise not_found(f"The model `{req.model}` does not exist; this server serves "
                                     f"`{self.config.model_name}`.", param="model", code="model_not_found")
@@ -476,8 +474,10 @@ class Ingress:
                 if c.error:
                     return self._error(bad_request(c.error["message"], param=c.error.get("param"),
                                                    code=c.error["code"]))
-                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None})
+                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
                 ch["text"].append(c.text)
+                if c.logprobs is not None:
+                    ch["logprobs"] = extend_completion_logprobs(ch["logprobs"], c.logprobs)
                 if c.finish_reason:
                     ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
                 if c.done:
@@ -488,7 +488,7 @@ class Ingress:
             await chunks.aclose()
         self._outcome("ok")
         return JSONResponse(openai_format.text_completion(request_id, self.config.model_name, [
-            openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"])
+            openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
             for i, ch in sorted(choices.items())], usage))
 
     async def _text_stream(self, request_id, chunks, include_usage: bool):
@@ -498,9 +498,9 @@ class Ingress:
                 self._outcome("client_error")
                 yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
                 return
-            if c.text or c.finish_reason:
+            if c.text or c.finish_reason or c.logprobs:
                 yield openai_format.text_chunk(request_id, model, [
-                    openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason)])
+                    openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason, c.logprobs)])
             if c.done and include_usage:
                 usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                 yield openai_format.text_chunk(request_id, model, [], usage=usage)
