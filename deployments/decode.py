@@ -24,12 +24,14 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
+from pipeline.errors import IrisError, bad_request
 from pipeline.families import adapter_for
 from pipeline.fingerprint import expected_fingerprint
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
+from pipeline.tokenize import TokenizeJob
 from pipeline.vllm_sampling import max_tokens_of
 
 
@@ -105,13 +107,9 @@ class LLMDecode:
 
         req = request.sampling
         tokenizer = self.processor.tokenizer
-        if request.prompt is not None:  # /v1/completions: vLLM adds the tokenizer's special tokens (BOS)
-            token_ids = tokenizer(request.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
-        else:
-            prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-            # Tokenized once, here, as `vllm serve` does for chat: the template already holds
-            # any special tokens. vLLM expands each image placeholder into its feature tokens.
-            token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # /v1/completions: vLLM adds the tokenizer's special tokens (BOS); chat: the template holds them.
+        # vLLM expands each image placeholder into its feature tokens.
+        token_ids = self._prompt_token_ids(request.prompt, request.messages, req.add_special_tokens)
         n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
         error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
@@ -173,6 +171,31 @@ class LLMDecode:
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
                                      "param": getattr(err, "parameter", None) or "messages"})
+
+    def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """A text prompt's tokens, or the chat template's over `messages`, tokenized once as `vllm serve` does."""
+        if prompt is None:
+            prompt = self.processor.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False)
+        return self.processor.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def tokenize(self, job: TokenizeJob) -> dict | IrisError:
+        """/tokenize: vLLM's TokenizeResponse fields, or the 400 the chat template raised."""
+        from jinja2 import TemplateError
+
+        try:
+            tokens = self._prompt_token_ids(job.prompt, job.messages, job.add_special_tokens,
+                                            job.add_generation_prompt, job.continue_final_message)
+        except (ValueError, TemplateError) as err:  # e.g. continue_final_message with a generation prompt
+            return bad_request(str(err), param="messages")
+        strs = self.processor.tokenizer.convert_ids_to_tokens(tokens) if job.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": strs}
+
+    def detokenize(self, tokens: list[int]) -> dict:
+        """/detokenize: vLLM's DetokenizeResponse fields (the tokenizer's plain decode, as vLLM's)."""
+        return {"prompt": self.processor.tokenizer.decode(tokens)}
 
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller

@@ -42,6 +42,7 @@ from pipeline.logprobs import extend_completion_logprobs
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
+from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.vllm_sampling import check_max_tokens, validate_sampling
 
 logger = logging.getLogger("ray.serve")
@@ -268,6 +269,38 @@ class Ingress:
             return StreamingResponse(self._sse(self._text_stream(request_id, chunks, include_usage), chunks),
                                      media_type="text/event-stream")
         return await self._text_collect(request_id, chunks)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a text prompt, or text-only chat messages through the chat template."""
+        try:
+            job = parse_tokenize_request(await _json_body(request, self.max_body_bytes),
+                                         self.config.max_images_per_prompt)
+            self._check_model(job.model)
+            result = await self.decode.tokenize.remote(job)
+            if isinstance(result, IrisError):
+                raise result
+        except IrisError as err:
+            return self._error(err)
+        except Exception as err:  # a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "tokenize failed"))
+        return JSONResponse(result)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        try:
+            req = parse_detokenize_request(await _json_body(request, self.max_body_bytes))
+            self._check_model(req.model)
+            return JSONResponse(await self.decode.detokenize.remote(req.tokens))
+        except IrisError as err:
+            return self._error(err)
+        except Exception as err:  # a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "detokenize failed"))
+
+    def _check_model(self, name: str | None) -> None:
+        if name and name != self.config.model_name:
+            raise not_found(f"The model `{name}` does not exist; this server serves "
+                            f"`{self.config.model_name}`.", param="model", code="model_not_found")
 
     # --- images ---------------------------------------------------------------
     async def _get_fingerprint(self) -> str:

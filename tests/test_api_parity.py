@@ -383,3 +383,59 @@ def test_completions_parity(iris_base, vllm_base):
             failures.append(f"request: {body}\nproblems: {problems}\niris ({si}): {ai}\nvllm ({sv}): {av}")
     print(f"completions parity: {len(cases) - len(failures)}/{len(cases)} agree")
     assert not failures, "\n".join(failures)
+
+
+def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+             {"role": "assistant", "content": "Hello"}]
+    tokenize = [
+        {"prompt": "The quick brown fox"},
+        {"prompt": "The quick brown fox", "add_special_tokens": False, "return_token_strs": True},
+        {"prompt": ""},
+        {"messages": [{"role": "user", "content": "Hi there"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "you"}]}]},
+        {"messages": turns, "add_generation_prompt": False, "return_token_strs": True},
+        {"messages": turns, "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": turns, "add_special_tokens": True},
+        {"messages": turns, "continue_final_message": True},  # the generation prompt is on by default
+        {"messages": turns, "continue_final_message": True, "add_generation_prompt": True},
+        {"model": "nope", "prompt": "x"},
+        {"prompt": 5},
+        {"max_tokens": 3},
+    ]
+    detokenize = [
+        {"tokens": tokenizer.encode("The quick brown fox")},
+        {"tokens": [tokenizer.bos_token_id, *tokenizer.encode("a b", add_special_tokens=False)]},
+        {"tokens": []},
+        {"tokens": [tokenizer.vocab_size + 1000]},  # no such token
+        {"tokens": [-1]},
+        {"tokens": "abc"},
+        {"model": "nope", "tokens": [1]},
+    ]
+    failures = []
+    for path, bodies in (("tokenize", tokenize), ("detokenize", detokenize)):
+        for body in bodies:
+            ri = httpx.post(f"{iris_base}/{path}", json=body, timeout=60)
+            rv = httpx.post(f"{vllm_base}/{path}", json=body, timeout=60)
+            if ri.status_code != rv.status_code or (rv.status_code == 200 and ri.json() != rv.json()):
+                failures.append(f"/{path} {body}\niris ({ri.status_code}): {ri.text[:800]}\n"
+                                f"vllm ({rv.status_code}): {rv.text[:800]}")
+            elif rv.status_code >= 400 and "error" not in ri.json():
+                failures.append(f"/{path} {body}: not OpenAI's error shape: {ri.text[:400]}")
+    print(f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree")
+    assert not failures, "\n".join(failures)
+    # The count is the prompt a chat completion of the same messages is charged for.
+    messages = [{"role": "user", "content": "Count me"}]
+    count = httpx.post(f"{iris_base}/tokenize", json={"messages": messages}).json()["count"]
+    usage = httpx.post(f"{iris_base}/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                       timeout=120).json()["usage"]
+    assert count == usage["prompt_tokens"], (count, usage)
+
+
+def test_tokenize_refuses_images_by_name(iris_base, vllm_base):
+    """vLLM counts an image's expanded tokens; Iris refuses images in /tokenize with a 400 naming them."""
+    body = {"messages": chat("What is this?", images=(IMG,))["messages"]}
+    assert httpx.post(f"{vllm_base}/tokenize", json=body, timeout=60).status_code == 200
+    r = httpx.post(f"{iris_base}/tokenize", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "image" in r.json()["error"]["message"], r.text
