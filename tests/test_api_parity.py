@@ -384,6 +384,10 @@ def test_completions_parity(iris_base, vllm_base):
             failures.append(f"request: {body}\nproblems: {problems}\niris ({si}): {ai}\nvllm ({sv}): {av}")
     print(f"completions parity: {len(cases) - len(failures)}/{len(cases)} agree")
     assert not failures, "\n".join(failures)
+    # echo (which vLLM honours) is refused by name, never dropped
+    r = httpx.post(f"{iris_base}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
+                                                        "echo": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
@@ -413,17 +417,18 @@ def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
         {"tokens": "abc"},
         {"model": "nope", "tokens": [1]},
     ]
-    failures = []
+    failures, statuses = [], []
     for path, bodies in (("tokenize", tokenize), ("detokenize", detokenize)):
         for body in bodies:
             ri = httpx.post(f"{iris_base}/{path}", json=body, timeout=60)
             rv = httpx.post(f"{vllm_base}/{path}", json=body, timeout=60)
+            statuses.append(rv.status_code)
             if ri.status_code != rv.status_code or (rv.status_code == 200 and ri.json() != rv.json()):
                 failures.append(f"/{path} {body}\niris ({ri.status_code}): {ri.text[:800]}\n"
                                 f"vllm ({rv.status_code}): {rv.text[:800]}")
             elif rv.status_code >= 400 and "error" not in ri.json():
                 failures.append(f"/{path} {body}: not OpenAI's error shape: {ri.text[:400]}")
-    print(f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree")
+    print(f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree, vLLM's statuses {statuses}")
     assert not failures, "\n".join(failures)
     # The count is the prompt a chat completion of the same messages is charged for.
     messages = [{"role": "user", "content": "Count me"}]
