@@ -26,12 +26,14 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
+from pipeline.errors import IrisError, bad_request
 from pipeline.families import adapter_for
 from pipeline.fingerprint import expected_fingerprint
-from pipeline.logprobs import chat_logprobs
+from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.tenant import cache_salt
+from pipeline.tokenize import TokenizeJob
 from pipeline.vllm_sampling import max_tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -120,13 +122,9 @@ class LLMDecode:
 
         req = request.sampling
         tokenizer = self.processor.tokenizer
-        if request.prompt is not None:  # /v1/completions: vLLM adds the tokenizer's special tokens (BOS)
-            token_ids = tokenizer(request.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
-        else:
-            prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-            # Tokenized once, here, as `vllm serve` does for chat: the template already holds
-            # any special tokens. vLLM expands each image placeholder into its feature tokens.
-            token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # /v1/completions: vLLM adds the tokenizer's special tokens (BOS); chat: the template holds them.
+        # vLLM expands each image placeholder into its feature tokens.
+        token_ids = self._prompt_token_ids(request.prompt, request.messages, req.add_special_tokens)
         n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
         error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
@@ -146,8 +144,10 @@ class LLMDecode:
                                      "param": getattr(err, "parameter", None)})
             return
         params.output_kind = RequestOutputKind.DELTA  # Iris streams internally, and merges deltas itself
-        # Chat logprobs only: /v1/completions refuses them in the ingress.
-        top_n = req.top_logprobs if request.prompt is None and req.logprobs else None
+        # Chat: `logprobs` is a flag and `top_logprobs` the count; completions: `logprobs` is the count.
+        text_api = request.prompt is not None
+        top_n = req.logprobs if text_api else (req.top_logprobs if req.logprobs else None)
+        text_offsets: dict[int, int] = {}  # choice -> where its next token starts in its text (completions)
         completion_tokens = 0
         try:
             async with aclosing(_merged(self.engine.generate(engine_prompt, params, request.request_id),
@@ -159,7 +159,12 @@ class LLMDecode:
                             ch = choices.setdefault(c.index, DecodeChunk(index=c.index))
                             ch.text += c.text
                             completion_tokens += len(c.token_ids)
-                            if c.logprobs is not None and top_n is not None:
+                            if c.logprobs is not None and top_n is not None and text_api:
+                                lp = completion_logprobs(c.token_ids, c.logprobs, tokenizer, top_n,
+                                                         text_offsets.get(c.index, 0))
+                                text_offsets[c.index] = next_text_offset(lp, text_offsets.get(c.index, 0))
+                                ch.logprobs = extend_completion_logprobs(ch.logprobs, lp)
+                            elif c.logprobs is not None and top_n is not None:
                                 ch.logprobs = (ch.logprobs or []) + chat_logprobs(c.token_ids, c.logprobs,
                                                                                   tokenizer, top_n)
                             if c.finish_reason:
@@ -181,6 +186,31 @@ class LLMDecode:
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
                                      "param": getattr(err, "parameter", None) or "messages"})
+
+    def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """A text prompt's tokens, or the chat template's over `messages`, tokenized once as `vllm serve` does."""
+        if prompt is None:
+            prompt = self.processor.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False)
+        return self.processor.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def tokenize(self, job: TokenizeJob) -> dict | IrisError:
+        """/tokenize: vLLM's TokenizeResponse fields, or the 400 the chat template raised."""
+        from jinja2 import TemplateError
+
+        try:
+            tokens = self._prompt_token_ids(job.prompt, job.messages, job.add_special_tokens,
+                                            job.add_generation_prompt, job.continue_final_message)
+        except (ValueError, TemplateError) as err:  # e.g. continue_final_message with a generation prompt
+            return bad_request(str(err), param="messages")
+        strs = self.processor.tokenizer.convert_ids_to_tokens(tokens) if job.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": strs}
+
+    def detokenize(self, tokens: list[int]) -> dict:
+        """/detokenize: vLLM's DetokenizeResponse fields (the tokenizer's plain decode, as vLLM's)."""
+        return {"prompt": self.processor.tokenizer.decode(tokens)}
 
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller

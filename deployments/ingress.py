@@ -38,9 +38,11 @@ from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
 from pipeline.json_body import parse_json_body
+from pipeline.logprobs import extend_completion_logprobs
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
 from pipeline.tenant import tenant_of
+from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.vllm_sampling import check_max_tokens, validate_sampling
 
 logger = logging.getLogger("ray.serve")
@@ -244,9 +246,6 @@ class Ingress:
                 if not isinstance(prompt, str):
                     raise bad_request("prompt must be a string (token ids and batches are not supported)",
                                       param="prompt")
-                if req.logprobs is not None:
-                    raise bad_request("logprobs is not supported on /v1/completions by this server",
-                                      param="logprobs", code="unsupported_parameter")
                 if req.model and req.model != self.config.model_name:
                     raise not_found(f"The model `{req.model}` does not exist; this server serves "
                                     f"`{self.config.model_name}`.", param="model", code="model_not_found")
@@ -270,6 +269,38 @@ class Ingress:
             return StreamingResponse(self._sse(self._text_stream(request_id, chunks, include_usage), chunks),
                                      media_type="text/event-stream")
         return await self._text_collect(request_id, chunks)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a text prompt, or text-only chat messages through the chat template."""
+        try:
+            job = parse_tokenize_request(await _json_body(request, self.max_body_bytes),
+                                         self.config.max_images_per_prompt)
+            self._check_model(job.model)
+            result = await self.decode.tokenize.remote(job)
+            if isinstance(result, IrisError):
+                raise result
+        except IrisError as err:
+            return self._error(err)
+        except Exception as err:  # a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "tokenize failed"))
+        return JSONResponse(result)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        try:
+            req = parse_detokenize_request(await _json_body(request, self.max_body_bytes))
+            self._check_model(req.model)
+            return JSONResponse(await self.decode.detokenize.remote(req.tokens))
+        except IrisError as err:
+            return self._error(err)
+        except Exception as err:  # a dead replica (503), a bug (500)
+            return self._error(self._failure(err, "detokenize failed"))
+
+    def _check_model(self, name: str | None) -> None:
+        if name and name != self.config.model_name:
+            raise not_found(f"The model `{name}` does not exist; this server serves "
+                            f"`{self.config.model_name}`.", param="model", code="model_not_found")
 
     # --- images ---------------------------------------------------------------
     async def _get_fingerprint(self) -> str:
@@ -476,8 +507,10 @@ class Ingress:
                 if c.error:
                     return self._error(bad_request(c.error["message"], param=c.error.get("param"),
                                                    code=c.error["code"]))
-                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None})
+                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
                 ch["text"].append(c.text)
+                if c.logprobs is not None:
+                    ch["logprobs"] = extend_completion_logprobs(ch["logprobs"], c.logprobs)
                 if c.finish_reason:
                     ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
                 if c.done:
@@ -488,7 +521,7 @@ class Ingress:
             await chunks.aclose()
         self._outcome("ok")
         return JSONResponse(openai_format.text_completion(request_id, self.config.model_name, [
-            openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"])
+            openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
             for i, ch in sorted(choices.items())], usage))
 
     async def _text_stream(self, request_id, chunks, include_usage: bool):
@@ -498,9 +531,9 @@ class Ingress:
                 self._outcome("client_error")
                 yield openai_format.sse(bad_request(c.error["message"], code=c.error["code"]).to_dict())
                 return
-            if c.text or c.finish_reason:
+            if c.text or c.finish_reason or c.logprobs:
                 yield openai_format.text_chunk(request_id, model, [
-                    openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason)])
+                    openai_format.text_choice(c.index, c.text, c.finish_reason, c.stop_reason, c.logprobs)])
             if c.done and include_usage:
                 usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                 yield openai_format.text_chunk(request_id, model, [], usage=usage)

@@ -164,10 +164,25 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
             "stream_options is only allowed when stream is true", param="stream_options"
         )
 
+    messages, images = parse_messages(req.messages, max_images)
+    sampling = validate_sampling(body, "chat")
+    include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
+    return ParsedChat(
+        messages=messages,
+        images=images,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        model=req.model,
+    )
+
+
+def parse_messages(raw: list[MessageModel], max_images: int) -> tuple[list[ChatMessage], list[ImageInput]]:
+    """The messages, with each image replaced by a placeholder, and the images in order."""
     messages: list[ChatMessage] = []
     images: list[ImageInput] = []
     first_over_limit: str | None = None  # param of the first image past max_images
-    for mi, msg in enumerate(req.messages):
+    for mi, msg in enumerate(raw):
         where = f"messages[{mi}]"
         role = "system" if msg.role == "developer" else msg.role
         if not msg.content or (len(msg.content) == 1 and msg.content[0].text == ""):
@@ -200,17 +215,7 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
             param=first_over_limit,
             code="too_many_images",
         )
-
-    sampling = validate_sampling(body, "chat")
-    include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
-    return ParsedChat(
-        messages=messages,
-        images=images,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage,
-        model=req.model,
-    )
+    return messages, images
 
 
 def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | ImageInput:

@@ -74,8 +74,10 @@ DONE = "data: [DONE]\n\n"
 # --- /v1/completions ---------------------------------------------------------
 
 
-def text_choice(index: int, text: str, finish_reason: str | None, stop_reason=None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+def text_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
+                logprobs: dict | None = None) -> dict:
+    """One /v1/completions choice; `logprobs` as pipeline/logprobs.py's completion_logprobs gives them."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 

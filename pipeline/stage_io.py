@@ -51,7 +51,8 @@ class DecodeChunk:
     finish_reason: str | None = None
     index: int = 0  # the choice
     stop_reason: int | str | None = None
-    logprobs: list[dict] | None = None  # OpenAI chat logprobs entries for this delta's tokens
+    # This delta's logprobs: chat entries (a list), or completions' {tokens, token_logprobs, ...} (a dict).
+    logprobs: list[dict] | dict | None = None
     done: bool = False  # the request's last chunk: carries the token counts
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -57,13 +57,7 @@ def validate_sampling(body: dict, kind: str = "chat") -> Any:
         raise validation_error_to_iris(e) from None
     except (ValueError, TypeError, VLLMClientError) as e:  # vLLM's validators raise VLLMValidationError past pydantic
         raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
-    # "tools" first: vLLM's validator sets tool_choice from it, but tools is what the client sent.
-    known = req.model_fields_set & Model.model_fields.keys()  # extras are ignored, as vLLM ignores them
-    for name in sorted(known - SAMPLING_FIELDS - OWN_FIELDS, key=lambda n: (n != "tools", n)):
-        default = Model.model_fields[name].get_default(call_default_factory=True)
-        if getattr(req, name) != default:
-            raise bad_request(f"{name} is not supported by this server", param=name,
-                              code="unsupported_parameter")
+    refuse_unhonoured(req, SAMPLING_FIELDS | OWN_FIELDS)
     try:  # SamplingParams checks ranges (n, top_p, temperature, ...): fail here, before any image work
         wanted = max_tokens_of(req)
         # Without max_tokens vLLM fills in what the context leaves; unknown here, so "plenty".
@@ -71,6 +65,18 @@ def validate_sampling(body: dict, kind: str = "chat") -> Any:
     except (ValueError, TypeError, VLLMClientError) as e:
         raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
     return req
+
+
+def refuse_unhonoured(req: Any, honoured: frozenset[str]) -> None:
+    """400 naming the first field of vLLM's request model `req` that the client set to a
+    non-default value and that Iris does not honour (not in `honoured`)."""
+    fields = type(req).model_fields
+    # "tools" first: vLLM's validator sets tool_choice from it, but tools is what the client sent.
+    known = req.model_fields_set & fields.keys()  # extras are ignored, as vLLM ignores them
+    for name in sorted(known - honoured, key=lambda n: (n != "tools", n)):
+        if getattr(req, name) != fields[name].get_default(call_default_factory=True):
+            raise bad_request(f"{name} is not supported by this server", param=name,
+                              code="unsupported_parameter")
 
 
 def max_tokens_of(req: Any) -> int | None:

@@ -301,23 +301,52 @@ def test_models_lists_vllm_fields(iris_base, vllm_base):
 
 
 def ask_text(base: str, body: dict) -> tuple[int, dict]:
+    """(status, normalised answer): per choice index (text, finish_reason, logprobs); usage."""
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
     if r.status_code != 200:
         return r.status_code, {"error": r.text[:400]}
     if not body.get("stream"):
         j = r.json()
-        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"]) for c in j["choices"]},
+        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"], c["logprobs"]) for c in j["choices"]},
                      "usage": {k: j["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
     choices, usage = {}, None
     for line in r.text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
             j = json.loads(line[6:])
+            assert "error" not in j, j
             usage = j.get("usage") or usage
             for c in j["choices"]:
-                text, finish = choices.get(c["index"], ("", None))
-                choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish)
+                text, finish, logprobs = choices.get(c["index"], ("", None, None))
+                if c["logprobs"] is not None:  # deltas' lists, joined
+                    logprobs = {k: (logprobs or {}).get(k, []) + v for k, v in c["logprobs"].items()}
+                choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish, logprobs)
     return 200, {"choices": choices,
                  "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
+
+
+def text_differences(iris: dict, vllm: dict) -> list[str]:
+    """Everything equal but logprob values, which may differ by LOGPROB_TOL."""
+    if iris["usage"] != vllm["usage"] or iris["choices"].keys() != vllm["choices"].keys():
+        return [f"usage or choices: {iris['usage']} {list(iris['choices'])} != {vllm['usage']} {list(vllm['choices'])}"]
+    out = []
+    for i, (text, finish, lp) in iris["choices"].items():
+        text_v, finish_v, lp_v = vllm["choices"][i]
+        if (text, finish) != (text_v, finish_v):
+            out.append(f"choices[{i}]: {(text, finish)!r} != {(text_v, finish_v)!r}")
+        if (lp is None) != (lp_v is None):
+            out.append(f"choices[{i}].logprobs present in one answer only")
+        elif lp is not None:
+            if (lp["tokens"], lp["text_offset"]) != (lp_v["tokens"], lp_v["text_offset"]):
+                out.append(f"choices[{i}].logprobs tokens/text_offset: {lp} != {lp_v}")
+            pairs = list(zip(lp["token_logprobs"], lp_v["token_logprobs"]))
+            for top, top_v in zip(lp["top_logprobs"], lp_v["top_logprobs"]):
+                if (top is None) != (top_v is None) or (top is not None and top.keys() != top_v.keys()):
+                    out.append(f"choices[{i}].logprobs.top_logprobs: {top} != {top_v}")
+                elif top is not None:
+                    pairs += [(top[k], top_v[k]) for k in top]
+            if any((a is None) != (b is None) or (a is not None and abs(a - b) > LOGPROB_TOL) for a, b in pairs):
+                out.append(f"choices[{i}].logprobs values: {lp} != {lp_v}")
+    return out
 
 
 def test_completions_parity(iris_base, vllm_base):
@@ -329,12 +358,90 @@ def test_completions_parity(iris_base, vllm_base):
         {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
         {"prompt": prompt, "max_tokens": 8, "top_p": 7},
         {"max_tokens": 8},
+        # logprobs: completions' own shape (tokens, token_logprobs, top_logprobs, text_offset)
+        {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2},
+        {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2, "stream": True,
+         "stream_options": {"include_usage": True}},
+        {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0},
+        {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2, "logprobs": 1, "stream": True},
+        {"prompt": prompt, "max_tokens": 6, "logprobs": 50},  # above the engine's max_logprobs (20)
+        {"prompt": prompt, "max_tokens": 6, "logprobs": -3},
     ]
+    # Stop strings from the greedy answer: one that starts with its first character (that text is
+    # held back while its tokens are reported, so streamed text lags the logprobs' offsets) and
+    # never completes, and its last character, which ends the answer.
+    greedy = ask_text(vllm_base, {"model": NAME, **cases[0]})[1]["choices"][0][0]
+    assert len(greedy) >= 2 and "\ufffd" not in greedy[0] + greedy[-1], greedy
+    cases.append({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 1, "stream": True,
+                  "stop": [greedy[0] + "\u2603", greedy[-1]]})
     failures = []
     for body in cases:
         body = {"model": NAME, **body}
         si, ai = ask_text(iris_base, body)
         sv, av = ask_text(vllm_base, body)
-        if si != sv or (si == 200 and ai != av):
-            failures.append(f"request: {body}\niris ({si}): {ai}\nvllm ({sv}): {av}")
+        problems = [f"status {si} != {sv}"] if si != sv else text_differences(ai, av) if si == 200 else []
+        if problems:
+            failures.append(f"request: {body}\nproblems: {problems}\niris ({si}): {ai}\nvllm ({sv}): {av}")
+    print(f"completions parity: {len(cases) - len(failures)}/{len(cases)} agree")
     assert not failures, "\n".join(failures)
+    # echo (which vLLM honours) is refused by name, never dropped
+    r = httpx.post(f"{iris_base}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
+                                                        "echo": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+             {"role": "assistant", "content": "Hello"}]
+    tokenize = [
+        {"prompt": "The quick brown fox"},
+        {"prompt": "The quick brown fox", "add_special_tokens": False, "return_token_strs": True},
+        {"prompt": ""},
+        {"messages": [{"role": "user", "content": "Hi there"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "you"}]}]},
+        {"messages": turns, "add_generation_prompt": False, "return_token_strs": True},
+        {"messages": turns, "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": turns, "add_special_tokens": True},
+        {"messages": turns, "continue_final_message": True},  # the generation prompt is on by default
+        {"messages": turns, "continue_final_message": True, "add_generation_prompt": True},
+        {"model": "nope", "prompt": "x"},
+        {"prompt": 5},
+        {"max_tokens": 3},
+    ]
+    detokenize = [
+        {"tokens": tokenizer.encode("The quick brown fox")},
+        {"tokens": [tokenizer.bos_token_id, *tokenizer.encode("a b", add_special_tokens=False)]},
+        {"tokens": []},
+        {"tokens": [tokenizer.vocab_size + 1000]},  # no such token
+        {"tokens": [-1]},
+        {"tokens": "abc"},
+        {"model": "nope", "tokens": [1]},
+    ]
+    failures, statuses = [], []
+    for path, bodies in (("tokenize", tokenize), ("detokenize", detokenize)):
+        for body in bodies:
+            ri = httpx.post(f"{iris_base}/{path}", json=body, timeout=60)
+            rv = httpx.post(f"{vllm_base}/{path}", json=body, timeout=60)
+            statuses.append(rv.status_code)
+            if ri.status_code != rv.status_code or (rv.status_code == 200 and ri.json() != rv.json()):
+                failures.append(f"/{path} {body}\niris ({ri.status_code}): {ri.text[:800]}\n"
+                                f"vllm ({rv.status_code}): {rv.text[:800]}")
+            elif rv.status_code >= 400 and "error" not in ri.json():
+                failures.append(f"/{path} {body}: not OpenAI's error shape: {ri.text[:400]}")
+    print(f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree, vLLM's statuses {statuses}")
+    assert not failures, "\n".join(failures)
+    # The count is the prompt a chat completion of the same messages is charged for.
+    messages = [{"role": "user", "content": "Count me"}]
+    count = httpx.post(f"{iris_base}/tokenize", json={"messages": messages}).json()["count"]
+    usage = httpx.post(f"{iris_base}/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                       timeout=120).json()["usage"]
+    assert count == usage["prompt_tokens"], (count, usage)
+
+
+def test_tokenize_refuses_images_by_name(iris_base, vllm_base):
+    """vLLM counts an image's expanded tokens; Iris refuses images in /tokenize with a 400 naming them."""
+    body = {"messages": chat("What is this?", images=(IMG,))["messages"]}
+    assert httpx.post(f"{vllm_base}/tokenize", json=body, timeout=60).status_code == 200
+    r = httpx.post(f"{iris_base}/tokenize", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "image" in r.json()["error"]["message"], r.text
