@@ -214,9 +214,7 @@ class Ingress:
                 body = await _json_body(request, self.max_body_bytes)
                 chat = parse_chat_request(body, self.config.max_images_per_prompt)
                 check_max_tokens(chat.sampling, self.config.max_tokens_limit)
-                if chat.model and chat.model != self.config.model_name:
-                    raise not_found(f"The model `{chat.model}` does not exist; this server serves "
-                                    f"`{self.config.model_name}`.", param="model", code="model_not_found")
+                self._check_model(chat.model)
                 tenant = tenant_of(request.headers, self.config.tenant_header)
                 images = await self._features(chat, tenant)
                 request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -246,9 +244,7 @@ class Ingress:
                 if not isinstance(prompt, str):
                     raise bad_request("prompt must be a string (token ids and batches are not supported)",
                                       param="prompt")
-                if req.model and req.model != self.config.model_name:
-                    raise not_found(f"The model `{req.model}` does not exist; this server serves "
-                                    f"`{self.config.model_name}`.", param="model", code="model_not_found")
+                self._check_model(req.model)
                 request_id = f"cmpl-{uuid.uuid4().hex}"
                 tenant = tenant_of(request.headers, self.config.tenant_header)
                 stream = self.decode.options(stream=True).generate.remote(
@@ -455,8 +451,11 @@ class Ingress:
         raise IrisError("image features could not be delivered to the decoder", status_code=503,
                         code="features_unavailable")
 
-    async def _collect(self, request_id, chunks, headers):
-        choices: dict[int, dict] = {}  # index -> {"text": [...], "finish", "stop", "logprobs"}
+    async def _gather(self, chunks, join_logprobs, what: str) -> tuple[dict, openai_format.Usage] | JSONResponse:
+        """A non-streamed answer's choices by index ({"text": [...], "finish", "stop", "logprobs"})
+        and usage, or the error response. The decode stream is closed whatever happens, also
+        on cancellation (the client left), which aborts the decode request."""
+        choices: dict[int, dict] = {}
         usage = openai_format.Usage()
         try:
             async for c in chunks:
@@ -466,16 +465,23 @@ class Ingress:
                 ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
                 ch["text"].append(c.text)
                 if c.logprobs is not None:
-                    ch["logprobs"] = (ch["logprobs"] or []) + c.logprobs
+                    ch["logprobs"] = join_logprobs(ch["logprobs"], c.logprobs)
                 if c.finish_reason:
                     ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
                 if c.done:
                     usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         except Exception as err:
-            return self._error(self._failure(err, "chat completion failed while decoding"))
-        finally:  # also on cancellation (the client left): the decode request is aborted
+            return self._error(self._failure(err, f"{what} failed while decoding"))
+        finally:
             await chunks.aclose()
         self._outcome("ok")
+        return choices, usage
+
+    async def _collect(self, request_id, chunks, headers):
+        gathered = await self._gather(chunks, lambda old, new: (old or []) + new, "chat completion")
+        if isinstance(gathered, JSONResponse):
+            return gathered
+        choices, usage = gathered
         body = openai_format.completion(request_id, self.config.model_name, [
             openai_format.choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
             for i, ch in sorted(choices.items())], usage)
@@ -500,26 +506,10 @@ class Ingress:
         self._outcome("ok")
 
     async def _text_collect(self, request_id, chunks):
-        choices: dict[int, dict] = {}
-        usage = openai_format.Usage()
-        try:
-            async for c in chunks:
-                if c.error:
-                    return self._error(bad_request(c.error["message"], param=c.error.get("param"),
-                                                   code=c.error["code"]))
-                ch = choices.setdefault(c.index, {"text": [], "finish": None, "stop": None, "logprobs": None})
-                ch["text"].append(c.text)
-                if c.logprobs is not None:
-                    ch["logprobs"] = extend_completion_logprobs(ch["logprobs"], c.logprobs)
-                if c.finish_reason:
-                    ch["finish"], ch["stop"] = c.finish_reason, c.stop_reason
-                if c.done:
-                    usage = openai_format.Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-        except Exception as err:
-            return self._error(self._failure(err, "completion failed while decoding"))
-        finally:
-            await chunks.aclose()
-        self._outcome("ok")
+        gathered = await self._gather(chunks, extend_completion_logprobs, "completion")
+        if isinstance(gathered, JSONResponse):
+            return gathered
+        choices, usage = gathered
         return JSONResponse(openai_format.text_completion(request_id, self.config.model_name, [
             openai_format.text_choice(i, "".join(ch["text"]), ch["finish"], ch["stop"], ch["logprobs"])
             for i, ch in sorted(choices.items())], usage))
