@@ -61,6 +61,16 @@ def fault_app(serve_instance, tiny_checkpoint, redis_server):
 
 
 # --------------------------------------------------------------------------- helpers
+def _run(coro):
+    """`coro` on a loop of its own; unlike asyncio.run, leaves no "no current event loop"
+    state behind for the tests that run after this module."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
 def _stats(deployment: str) -> dict:
     return serve.get_deployment_handle(deployment, app_name=APP).stats.remote().result(timeout_s=30)
 
@@ -262,7 +272,7 @@ def test_redis_killed_and_restarted_under_load(fault_app, redis_server):
         await until(health_redis, 10, "/health says Redis is back")
         await asyncio.sleep(4)
 
-    records, _ = asyncio.run(_load_while(base, _mixed(seed=int(time.time())), 4, outage))
+    records, _ = _run(_load_while(base, _mixed(seed=int(time.time())), 4, outage))
     failed = [r.to_dict() for r in records if not r.ok]
     assert not failed, failed[:3]
     # The load ran through the outage and after it (start_s is close to the runner's t0).
@@ -336,7 +346,7 @@ def test_replica_killed_mid_run(fault_app, deployment):
             outcome["long"] = await long_request
 
     try:
-        records, _ = asyncio.run(_load_while(base, _new_images(seed=int(time.time())), 3, kill))
+        records, _ = _run(_load_while(base, _new_images(seed=int(time.time())), 3, kill))
         problems = _outcome_problems(records)
         assert not problems, problems[:3]
         if "long" in outcome:

@@ -91,7 +91,7 @@ async def test_text_only_requests_are_spread():
     assert min(counts.values()) > 20, counts
 
 
-def test_image_keys_are_read_defensively():
+async def test_image_keys_are_read_defensively():  # in a loop, as in Serve's router
     pending = lambda *args, **kwargs: PendingRequest(  # noqa: E731
         args=list(args), kwargs=kwargs, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
     assert request_image_keys(pending(_decode_request(["a", "b"]))) == ["a", "b"]
