@@ -48,17 +48,16 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from pipeline.cpu_gemm import use_vllm_cpu_gemm
     from pipeline.families import adapter_for
     from pipeline.models.source import resolve_model
     from tests.support.images import make_image
 
-    packed = adapter_for(resolve_model(args.model))
-    packed.load_vision(device="cpu")  # with vLLM's oneDNN GEMM (pipeline/cpu_gemm.py)
     plain = adapter_for(resolve_model(args.model))
-    plain.load_vision(device="cpu")
-    for layer in plain.vision.modules():  # back to torch's own linear
-        if isinstance(layer, torch.nn.Linear):
-            del layer.forward
+    plain.load_vision(device="cpu")  # torch's own linear
+    packed = adapter_for(resolve_model(args.model))
+    packed.load_vision(device="cpu")
+    use_vllm_cpu_gemm(packed.vision)  # as the VisionEncoder replica does on the CPU
     pixels = packed.preprocess(make_image(640, 480, 0))
 
     with torch.inference_mode():

@@ -22,6 +22,7 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
+from pipeline.cpu_gemm import use_vllm_cpu_gemm
 from pipeline.errors import IrisError
 from pipeline.families import PixelInputs, adapter_for
 from pipeline.fingerprint import model_fingerprint
@@ -49,6 +50,9 @@ class VisionEncoder:
             torch.set_num_threads(config.encoder_cpu_threads)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         self.adapter.load_vision(device=device, dtype=dtype)
+        if device == "cpu":
+            # Here, not in load_vision: the decoder loads the tower only to hash its weights.
+            use_vllm_cpu_gemm(self.adapter.vision)
         feature_dtype = next(self.adapter.vision.parameters()).dtype
         self.fingerprint = model_fingerprint(self.adapter, {"dtype": str(feature_dtype)})
         # Values read from Redis must carry our fingerprint and look like our features.

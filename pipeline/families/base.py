@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 
 from cache_service.codec import Features
-from pipeline.cpu_gemm import use_vllm_cpu_gemm
 from pipeline.models.weights import load_prefixed, local_checkpoint
 
 # One lock for the process: transformers' lazy imports are process-wide, and
@@ -96,8 +95,6 @@ class FamilyAdapter(ABC):
         weights = {name: w for name, w in weights.items() if not self.unused_vision_weight(name)}
         module.load_state_dict(weights, strict=True)
         self.vision = module.to(device=device, dtype=dtype or self.vision_dtype).eval()
-        if device == "cpu":
-            use_vllm_cpu_gemm(self.vision)
 
     def unused_vision_weight(self, name: str) -> bool:
         """Whether a checkpoint weight belongs to a part of the tower that is not built
