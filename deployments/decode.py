@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -26,6 +27,7 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
+from pipeline.cpu_binding import omp_threads_bind
 from pipeline.errors import IrisError, bad_request
 from pipeline.families import adapter_for
 from pipeline.fingerprint import expected_fingerprint
@@ -47,6 +49,7 @@ class LLMDecode:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        _bind_engine_cores()
         checkpoint = resolve_model(config.model)
         self.adapter = adapter_for(checkpoint)
         self.processor = AutoProcessor.from_pretrained(str(self.adapter.root))
@@ -236,6 +239,24 @@ class LLMDecode:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _bind_engine_cores() -> None:
+    """On a CPU-only node, give this replica's engine cores of its own: by default every
+    engine on a node binds the same cores (pipeline/cpu_binding.py). The replica's place
+    is its local rank; the engines that may share the node, the deployment's replica
+    count (its autoscaling maximum). A VLLM_CPU_OMP_THREADS_BIND set by the user wins."""
+    if torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    context = serve.get_replica_context()
+    autoscaling = getattr(getattr(context, "_deployment_config", None), "autoscaling_config", None)
+    engines = autoscaling.max_replicas if autoscaling else (context.world_size or 1)
+    local_rank = context.rank.local_rank if context.rank is not None else 0
+    bind = omp_threads_bind(local_rank, engines, list(os.sched_getaffinity(0)))
+    if bind:
+        logger.info("LLMDecode replica %d of %d on this node: vLLM's OpenMP threads on cores %s",
+                    local_rank, engines, bind)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 _END = object()

@@ -35,6 +35,7 @@ import httpx
 import yaml
 
 from bench.harness.metrics import Counters, scrape
+from pipeline.cpu_binding import omp_threads_bind
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
@@ -236,19 +237,10 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
 
 
 def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
-    """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine.
-
-    One engine keeps vLLM's default ("auto"). Several would each bind their OpenMP threads to
-    the same core (core 0 on this box), so each gets its own slice of the usable cores instead
-    (VLLM_CPU_OMP_THREADS_BIND takes ids like "0" or "2,3"); with more replicas than cores they
-    share cores round-robin."""
-    if replicas <= 1:
-        return {}
-    ids = sorted(core_ids if core_ids is not None else os.sched_getaffinity(0))
-    if replicas >= len(ids):
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(ids[index % len(ids)])}
-    per = len(ids) // replicas
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, ids[index * per:(index + 1) * per]))}
+    """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine:
+    a slice of the cores of its own (pipeline/cpu_binding.py, as Iris's LLMDecode does)."""
+    bind = omp_threads_bind(index, replicas, core_ids if core_ids is not None else list(os.sched_getaffinity(0)))
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 
 def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float,

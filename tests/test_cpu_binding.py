@@ -1,0 +1,54 @@
+"""Engines on one CPU-only node get cores of their own (pipeline/cpu_binding.py, LLMDecode)."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.cpu_binding import omp_threads_bind
+
+
+def test_one_engine_keeps_vllms_default():
+    assert omp_threads_bind(0, 1, [0, 1]) is None
+
+
+def test_engines_get_disjoint_slices_of_the_cores():
+    assert [omp_threads_bind(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [omp_threads_bind(i, 2, [3, 2, 1, 0]) for i in range(2)] == ["0,1", "2,3"]
+    assert [omp_threads_bind(i, 3, list(range(8))) for i in range(3)] == ["0,1", "2,3", "4,5"]
+
+
+def test_more_engines_than_cores_share_round_robin():
+    assert [omp_threads_bind(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]
+    assert omp_threads_bind(5, 2, [0, 1]) == "1"  # a rank past the count wraps
+
+
+def _context(local_rank, max_replicas=None, world_size=1):
+    autoscaling = SimpleNamespace(max_replicas=max_replicas) if max_replicas else None
+    return SimpleNamespace(world_size=world_size, rank=SimpleNamespace(local_rank=local_rank),
+                           _deployment_config=SimpleNamespace(autoscaling_config=autoscaling))
+
+
+@pytest.mark.parametrize("context, expected", [
+    (_context(1, max_replicas=2), "1"),          # autoscaling: the maximum may share the node
+    (_context(0, world_size=2), "0"),            # fixed num_replicas
+    (_context(0, max_replicas=1), None),         # alone: vLLM's default
+])
+def test_decode_replica_binds_by_its_local_rank(monkeypatch, context, expected):
+    import deployments.decode as decode
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(decode.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(decode.serve, "get_replica_context", lambda: context)
+    decode._bind_engine_cores()
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+
+
+def test_a_users_binding_wins(monkeypatch):
+    import deployments.decode as decode
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    monkeypatch.setattr(decode.serve, "get_replica_context", lambda: _context(1, max_replicas=2))
+    decode._bind_engine_cores()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
