@@ -34,6 +34,7 @@ from pipeline.fingerprint import expected_fingerprint
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
+from pipeline.stage_trace import mark
 from pipeline.tenant import cache_salt
 from pipeline.tokenize import TokenizeJob
 from pipeline.vllm_sampling import max_tokens_of
@@ -92,6 +93,7 @@ class LLMDecode:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
+        mark("decode.start", request.request_id)
         keys = request.image_keys
         if any(fingerprint_of(k) != self.fingerprint for k in keys):
             # Keyed for other weights by an ingress that has not seen the update yet.
@@ -152,10 +154,13 @@ class LLMDecode:
         top_n = req.logprobs if text_api else (req.top_logprobs if req.logprobs else None)
         text_offsets: dict[int, int] = {}  # choice -> where its next token starts in its text (completions)
         completion_tokens = 0
+        mark("decode.engine_call", request.request_id)
         try:
             async with aclosing(_merged(self.engine.generate(engine_prompt, params, request.request_id),
                                         self.stream_interval_s)) as merged:
                 async for outs in merged:
+                    if completion_tokens == 0:
+                        mark("decode.first_output", request.request_id)
                     choices: dict[int, DecodeChunk] = {}
                     for o in outs:
                         for c in o.outputs:

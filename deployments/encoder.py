@@ -28,6 +28,7 @@ from pipeline.families import PixelInputs, adapter_for
 from pipeline.fingerprint import model_fingerprint
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import EncodedImage
+from pipeline.stage_trace import mark
 
 
 GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
@@ -81,6 +82,7 @@ class VisionEncoder:
     async def encode(self, key: str, pixels: PixelInputs | IrisError) -> EncodedImage | IrisError:
         """Features for `key` as an object-store reference. `pixels` is Preprocess's result
         (Serve resolves the pending response the ingress passed); its client error passes through."""
+        mark("encoder.start", key)
         if isinstance(pixels, IrisError):
             return pixels
         self.encoding += 1
@@ -108,12 +110,16 @@ class VisionEncoder:
         (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()
         features = result.features.cpu()
-        return EncodedImage(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
+        encoded = EncodedImage(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
+        mark("encoder.end", key)
+        return encoded
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda q: sum(i.cost for i in q))
     async def _forward(self, batch: list[_Queued]):
         start = time.perf_counter()
+        mark("encoder.forward_start")
         features = await asyncio.to_thread(self.adapter.encode, [q.pixels for q in batch])
+        mark("encoder.forward_end")
         self.batch_seconds.observe(time.perf_counter() - start)
         self.batch_size.observe(len(batch))
         self.images_encoded += len(batch)

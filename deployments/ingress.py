@@ -41,6 +41,7 @@ from pipeline.json_body import parse_json_body
 from pipeline.logprobs import extend_completion_logprobs
 from pipeline.media import fetch_client, load_image_bytes
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
+from pipeline.stage_trace import mark
 from pipeline.tenant import tenant_of
 from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.vllm_sampling import check_max_tokens, validate_sampling
@@ -211,14 +212,18 @@ class Ingress:
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
+                request_id = f"chatcmpl-{uuid.uuid4().hex}"
+                mark("ingress.received", request_id)
                 body = await _json_body(request, self.max_body_bytes)
                 chat = parse_chat_request(body, self.config.max_images_per_prompt)
+                mark("ingress.parsed", request_id)
                 check_max_tokens(chat.sampling, self.config.max_tokens_limit)
                 self._check_model(chat.model)
                 tenant = tenant_of(request.headers, self.config.tenant_header)
                 images = await self._features(chat, tenant)
-                request_id = f"chatcmpl-{uuid.uuid4().hex}"
+                mark("ingress.features_ready", request_id)
                 chunks = await self._start_decode(chat, images, request_id, start, tenant)
+                mark("ingress.first_token", request_id)
         except IrisError as err:
             return self._error(err)
         except Exception as err:  # past the deadline (504), a dead replica (503), a bug (500)
@@ -317,6 +322,7 @@ class Ingress:
         unique = list(dict.fromkeys(keys))
         unknown = [k for k in unique if k not in self._known and k not in self._inflight]
         present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
+        mark("ingress.looked_up")
         self.cache_metrics.export()
         missing = [img.index for img, key in zip(chat.images, keys)
                    if img.url is None and key in present and not present[key]]

@@ -19,6 +19,7 @@ from pipeline.families import PixelInputs, adapter_for
 from pipeline.media import decode_image
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import ImageJob
+from pipeline.stage_trace import mark
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -43,6 +44,7 @@ class Preprocess:
     async def pixels(self, job: ImageJob) -> PixelInputs | IrisError:
         """A client error (bad image) is returned, not raised: it reaches the ingress as a value."""
         start = time.perf_counter()
+        mark("preprocess.start", job.key)
         self.preprocessing += 1
         try:
             pixels = await asyncio.to_thread(self._pixels, job)
@@ -52,6 +54,7 @@ class Preprocess:
             self.preprocessing -= 1
         self.seconds.observe(time.perf_counter() - start)
         self.images_preprocessed += 1
+        mark("preprocess.end", job.key)
         return pixels
 
     def stats(self) -> dict:

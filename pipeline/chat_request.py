@@ -40,7 +40,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _no_lone_surrogates(v: str) -> str:
     # JSON may carry "\ud800" escapes that decode to a lone surrogate: not
     # Unicode text, and the tokenizer raises TypeError on it (a 500 later on).
-    # A regex scan, not v.encode(), to avoid copying megabytes of text.
+    # isascii() is O(1) on CPython's compact strings (the common case: a data URL); else a
+    # regex scan, not v.encode(), to avoid copying megabytes of text.
+    if v.isascii():
+        return v
     m = _SURROGATE.search(v)
     if m:
         raise ValueError(f"must be valid Unicode text (lone surrogate \\u{ord(m.group()):04x} "

@@ -242,3 +242,35 @@ def test_round_robin_proxy_alternates_backends_and_streams():
         for runner in runners:
             asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_not_cross():
+    from bench.stage_timeline import request_segments, summarise
+
+    def marks(*pairs):
+        return [{"t": t, "stage": s} for s, t in pairs]
+
+    new = marks(("ingress.received", 10.001), ("ingress.parsed", 10.003), ("ingress.looked_up", 10.004),
+                ("preprocess.start", 10.007), ("preprocess.end", 10.010), ("encoder.start", 10.015),
+                ("encoder.forward_start", 10.016), ("encoder.forward_end", 10.216), ("encoder.end", 10.218),
+                ("ingress.features_ready", 10.220), ("decode.start", 10.224), ("decode.engine_call", 10.226),
+                ("decode.first_output", 10.246), ("ingress.first_token", 10.248),
+                ("decode.first_output", 10.300),  # a later request's mark, after this one's first token
+                ("ingress.received", 9.0))        # an earlier request's
+    segments = request_segments(new, 10.0, 10.250)
+    assert [(a, b) for a, b, _ in segments][0] == ("client.sent", "ingress.received")
+    assert [b for _, b, _ in segments][-1] == "client.first_token"
+    assert len(segments) == 15
+    tower = dict(((a, b), ms) for a, b, ms in segments)[("encoder.forward_start", "encoder.forward_end")]
+    assert abs(tower - 200) < 1e-6
+    assert abs(sum(ms for *_, ms in segments) - 250) < 1e-6
+
+    cached = marks(("ingress.received", 20.001), ("ingress.looked_up", 20.002), ("ingress.features_ready", 20.003),
+                   ("decode.start", 20.006))
+    pairs = [(a, b) for a, b, _ in request_segments(cached, 20.0, 20.030)]
+    assert ("ingress.looked_up", "ingress.features_ready") in pairs  # no Preprocess/VisionEncoder between
+    assert ("decode.start", "client.first_token") in pairs            # marks missing: one segment
+
+    summary = summarise([segments, request_segments(new, 10.0, 10.250)])
+    assert summary["requests"] == 2 and summary["ttft_median_ms"] == 250.0
+    assert summary["segments"][0]["what"] == "HTTP proxy to ingress"

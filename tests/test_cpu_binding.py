@@ -12,15 +12,18 @@ def test_one_engine_keeps_vllms_default():
     assert omp_threads_bind(0, 1, [0, 1]) is None
 
 
-def test_engines_get_disjoint_slices_of_the_cores():
-    assert [omp_threads_bind(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
-    assert [omp_threads_bind(i, 2, [3, 2, 1, 0]) for i in range(2)] == ["0,1", "2,3"]
-    assert [omp_threads_bind(i, 3, list(range(8))) for i in range(3)] == ["0,1", "2,3", "4,5"]
+def test_engines_split_the_cores_vllm_would_give_one_engine():
+    # vLLM leaves the last core to the processes around the engine; so do we.
+    assert [omp_threads_bind(i, 2, list(range(8))) for i in range(2)] == ["0,1,2,3", "4,5,6"]
+    assert [omp_threads_bind(i, 3, [3, 2, 1, 0]) for i in range(3)] == ["0", "1", "2"]
+    assert [omp_threads_bind(i, 2, [0, 1], reserve=0) for i in range(2)] == ["0", "1"]
+    assert [omp_threads_bind(i, 3, list(range(8)), reserve=0) for i in range(3)] == ["0,1,2", "3,4,5", "6,7"]
 
 
 def test_more_engines_than_cores_share_round_robin():
-    assert [omp_threads_bind(i, 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]
-    assert omp_threads_bind(5, 2, [0, 1]) == "1"  # a rank past the count wraps
+    assert [omp_threads_bind(i, 2, [0, 1]) for i in range(2)] == ["0", "0"]  # one usable core
+    assert [omp_threads_bind(i, 3, [0, 1, 2]) for i in range(3)] == ["0", "1", "0"]
+    assert omp_threads_bind(5, 2, [0, 1, 2, 3, 4], reserve=0) == "3,4"  # a rank past the count wraps
 
 
 def _context(local_rank, max_replicas=None, world_size=1):
@@ -30,15 +33,15 @@ def _context(local_rank, max_replicas=None, world_size=1):
 
 
 @pytest.mark.parametrize("context, expected", [
-    (_context(1, max_replicas=2), "1"),          # autoscaling: the maximum may share the node
-    (_context(0, world_size=2), "0"),            # fixed num_replicas
+    (_context(1, max_replicas=2), "2,3"),        # autoscaling: the maximum may share the node
+    (_context(0, world_size=2), "0,1"),          # fixed num_replicas
     (_context(0, max_replicas=1), None),         # alone: vLLM's default
 ])
 def test_decode_replica_binds_by_its_local_rank(monkeypatch, context, expected):
     import deployments.decode as decode
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(decode.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(decode.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
     monkeypatch.setattr(decode.serve, "get_replica_context", lambda: context)
     decode._bind_engine_cores()
     assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected

@@ -237,9 +237,11 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
 
 
 def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
-    """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine:
-    a slice of the cores of its own (pipeline/cpu_binding.py, as Iris's LLMDecode does)."""
-    bind = omp_threads_bind(index, replicas, core_ids if core_ids is not None else list(os.sched_getaffinity(0)))
+    """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine: a slice
+    of the cores of its own (pipeline/cpu_binding.py). No core is held back: beside its engines,
+    `vllm serve` runs only its API servers."""
+    cores = core_ids if core_ids is not None else list(os.sched_getaffinity(0))
+    bind = omp_threads_bind(index, replicas, cores, reserve=0)
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 

@@ -1,0 +1,156 @@
+"""Where the milliseconds of one Iris request go, stage by stage.
+
+Starts Iris as the harness does (bench/harness/systems.py) with IRIS_STAGE_TRACE
+set, so every stage marks its boundaries (pipeline/stage_trace.py), then sends
+sequential requests of three kinds: a new image each time, the same image again
+and again (served from the feature cache), and text of the same token count.
+Each request's marks, between the client's send and its first token, become
+segments (e.g. "vision tower", "hop to LLMDecode"); the medians per kind are
+printed and saved.
+
+    .venv/bin/python bench/stage_timeline.py            # bench/results/stage_timeline.{json,md}, ~3 min
+
+One client at a time: with several requests in flight the marks of one request
+could not be told from another's. Run it alone; this machine is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import systems  # noqa: E402
+from bench.harness.client import LoadClient  # noqa: E402
+from bench.harness.workloads import WorkloadFactory  # noqa: E402
+
+# The boundaries in the order a request crosses them, and what lies between each and the next.
+PATH = [
+    ("client.sent", "HTTP proxy to ingress"),
+    ("ingress.received", "read and parse the body"),
+    ("ingress.parsed", "hash the images, ask the cache which are present"),
+    ("ingress.looked_up", "call Preprocess"),
+    ("preprocess.start", "decode, resize, normalise"),
+    ("preprocess.end", "pixels to VisionEncoder (object store)"),
+    ("encoder.start", "cache claim, batch queue"),
+    ("encoder.forward_start", "vision tower + projector"),
+    ("encoder.forward_end", "features into the object store"),
+    ("encoder.end", "result back to the ingress"),
+    ("ingress.features_ready", "call LLMDecode"),
+    ("decode.start", "fetch features, tokenize the prompt"),
+    ("decode.engine_call", "vLLM: prefill to the first token"),
+    ("decode.first_output", "first chunk to the ingress"),
+    ("ingress.first_token", "SSE through the HTTP proxy"),
+    ("client.first_token", ""),
+]
+ORDER = {stage: i for i, (stage, _) in enumerate(PATH)}
+SEGMENT_NAMES = {stage: what for stage, what in PATH}
+
+
+def request_segments(marks: list[dict], sent: float, first_token: float) -> list[tuple[str, str, float]]:
+    """(from, to, ms) for one request: the first mark of each boundary between the client's
+    `sent` and `first_token` (wall clock), in path order; boundaries a request skips (a cached
+    image never reaches Preprocess) join their neighbours into one segment."""
+    seen: dict[str, float] = {"client.sent": sent, "client.first_token": first_token}
+    for m in sorted(marks, key=lambda m: m["t"]):
+        if sent <= m["t"] <= first_token and m["stage"] in ORDER:
+            seen.setdefault(m["stage"], m["t"])
+    stages = sorted(seen, key=ORDER.__getitem__)
+    return [(a, b, (seen[b] - seen[a]) * 1000) for a, b in zip(stages, stages[1:])]
+
+
+def summarise(per_request: list[list[tuple[str, str, float]]]) -> dict:
+    """Median ms per segment over the requests that crossed it, in path order, and the median total."""
+    by_segment: dict[tuple[str, str], list[float]] = {}
+    for segments in per_request:
+        for a, b, ms in segments:
+            by_segment.setdefault((a, b), []).append(ms)
+    rows = [{"from": a, "to": b, "what": SEGMENT_NAMES[a], "median_ms": round(statistics.median(v), 1),
+             "requests": len(v)} for (a, b), v in sorted(by_segment.items(), key=lambda kv: ORDER[kv[0][0]])]
+    totals = [sum(ms for _, _, ms in segments) for segments in per_request]
+    return {"segments": rows, "ttft_median_ms": round(statistics.median(totals), 1) if totals else None,
+            "requests": len(per_request)}
+
+
+def run_kind(client: LoadClient, workload, trace: Path, skip_first: int = 0) -> dict:
+    t0_wall, t0 = time.time(), time.perf_counter()
+    records, _ = asyncio.run(client.closed_loop(workload, 1, t0=t0))
+    marks = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    per_request = [request_segments(marks, t0_wall + r.start_s, t0_wall + r.start_s + r.ttft_s)
+                   for r in sorted(records, key=lambda r: r.start_s)[skip_first:] if r.ok]
+    failed = sum(not r.ok for r in records)
+    return {**summarise(per_request), "failed": failed, "description": workload.description}
+
+
+def markdown(run: dict) -> str:
+    kinds = list(run["kinds"])
+    lines = [f"# Where an Iris request's time goes ({run['model']})", "",
+             f"Commit `{run['commit']}`; {run['machine']}; {run['started']}.", "",
+             f"    {run['command']}", "",
+             "Median milliseconds per segment, from the client's send to its first token, one request at a "
+             "time. A blank cell: that kind of request does not cross the segment.", "",
+             "| segment | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    cells: dict[tuple[str, str], dict[str, float]] = {}
+    for kind in kinds:
+        for row in run["kinds"][kind]["segments"]:
+            cells.setdefault((row["from"], row["to"]), {})[kind] = row["median_ms"]
+    for (a, b), by_kind in sorted(cells.items(), key=lambda kv: (ORDER[kv[0][0]], ORDER[kv[0][1]])):
+        label = SEGMENT_NAMES[a] if ORDER[b] == ORDER[a] + 1 else f"{a} → {b}"
+        lines.append(f"| {label} | " + " | ".join(f"{by_kind[k]:.1f}" if k in by_kind else "" for k in kinds)
+                     + " |")
+    lines.append("| **TTFT at the client (median)** | " + " | ".join(
+        f"**{run['kinds'][k]['ttft_median_ms']:.1f}**" for k in kinds) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:bench-llava")
+    parser.add_argument("--requests", type=int, default=16, help="requests per kind")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="stage_timeline")
+    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+
+    from bench.compare import _git_commit, _machine, image_prompt_chars, warm_up
+    from pipeline.families import adapter_for
+    from pipeline.models.source import resolve_model
+
+    checkpoint = resolve_model(args.model)
+    engine = systems.EngineSettings(checkpoint, str(adapter_for(checkpoint).vision_dtype).removeprefix("torch."))
+    factory = WorkloadFactory(args.seed, max_tokens=16)
+    log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
+    trace = log_dir / "stage_trace.jsonl"
+    run = {"model": args.model, "commit": _git_commit(), "machine": _machine(),
+           "command": "python bench/stage_timeline.py " + " ".join(sys.argv[1:]),
+           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "kinds": {}}
+    system = systems.start("iris", 1, engine, log_dir, env={"IRIS_STAGE_TRACE": str(trace)})
+    try:
+        warm_up(system, factory)
+        client = LoadClient(system.base_urls, systems.SERVED_NAME)
+        n = args.requests
+        run["kinds"]["new image"] = run_kind(client, factory.unique(n), trace)
+        run["kinds"]["repeated image"] = run_kind(client, factory.repeat(n + 1), trace, skip_first=1)
+        run["kinds"]["text, same tokens"] = run_kind(
+            client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace)
+    finally:
+        system.stop()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(run, indent=1))
+    (out / f"{args.name}.md").write_text(markdown(run))
+    print(markdown(run))
+
+
+if __name__ == "__main__":
+    main()
