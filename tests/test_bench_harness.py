@@ -76,6 +76,10 @@ vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 128.0
     delta = after.minus(before)
     assert (delta.encoder_runs, delta.preprocess_runs) == (6, 3)
     assert delta.prefix_hit_rates() == {"r1": 0.4}
+    two = Counters(0, None, {"a": [300, 1000], "b": [0, 3000]})
+    assert two.pooled_prefix_hit_rate() == 300 / 4000
+    assert two.prompt_token_shares() == {"a": 0.25, "b": 0.75}
+    assert Counters().pooled_prefix_hit_rate() is None and Counters().prompt_token_shares() == {}
 
 
 def test_quick_run_against_tiny_iris(tmp_path):

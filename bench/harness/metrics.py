@@ -49,6 +49,16 @@ class Counters:
     def prefix_hit_rates(self) -> dict[str, float | None]:
         return {r: (h / q if q else None) for r, (h, q) in sorted(self.prefix.items())}
 
+    def pooled_prefix_hit_rate(self) -> float | None:
+        """Prefix-cache hit tokens over prompt tokens, all replicas together."""
+        queried = sum(q for _, q in self.prefix.values())
+        return sum(h for h, _ in self.prefix.values()) / queried if queried else None
+
+    def prompt_token_shares(self) -> dict[str, float]:
+        """Each replica's share of the prompt tokens: how the router spread the load."""
+        queried = sum(q for _, q in self.prefix.values())
+        return {r: q / queried for r, (_, q) in sorted(self.prefix.items())} if queried else {}
+
 
 def _sub(a: list[float], b: list[float]) -> list[float]:
     return [x - y for x, y in zip(a, b)]

@@ -49,6 +49,8 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
             summary["preprocess_runs_per_distinct_image"] = (counters.preprocess_runs / distinct_images
                                                              if distinct_images else None)
         summary["prefix_hit_rate_by_replica"] = counters.prefix_hit_rates()
+        summary["prefix_hit_rate"] = counters.pooled_prefix_hit_rate()
+        summary["prompt_token_share_by_replica"] = counters.prompt_token_shares()
         if counters.stage_seconds:
             summary["stage_mean_ms"] = counters.stage_means_ms()
     return summary
@@ -126,16 +128,22 @@ def markdown(run: dict) -> str:
     lines += ["## Encoder runs per distinct image, prefix-cache hit rate per replica", "",
               "Iris counts its VisionEncoder's computations; the vLLM-based peers, their multimodal "
               "processor-cache misses (see bench/harness/metrics.py).", "",
-              "| system | replicas | load point | distinct images | encoder runs / image | prefix hit rate by replica |",
-              "|---|---|---|---|---|---|"]
+              "Prefix hit rate: prompt tokens served from vLLM's prefix cache, all replicas together, then "
+              "per replica; load share: each replica's share of the prompt tokens.", "",
+              "| system | replicas | load point | distinct images | encoder runs / image | prefix hit rate "
+              "(by replica) | load share by replica |",
+              "|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["summary"]
         if not s.get("distinct_images"):
             continue
         rates = ", ".join(_fmt(v * 100 if v is not None else None) + "%" for v in
                           (s.get("prefix_hit_rate_by_replica") or {}).values())
+        pooled = s.get("prefix_hit_rate")
+        shares = ", ".join(f"{v * 100:.0f}%" for v in (s.get("prompt_token_share_by_replica") or {}).values())
         lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {s['distinct_images']} | "
-                     f"{_fmt(s.get('encoder_runs_per_distinct_image'), 2)} | {rates} |")
+                     f"{_fmt(s.get('encoder_runs_per_distinct_image'), 2)} | "
+                     f"{_fmt(pooled * 100 if pooled is not None else None)}% ({rates}) | {shares or '–'} |")
     skipped = [r for r in run["results"] if not r.get("summary")]
     if skipped:
         lines += ["", "## Not measured", ""] + [f"- {r['system']} ×{r['replicas']} {r['point']}: {r['skipped']}"
