@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import report, systems, vllm_bench  # noqa: E402
+from bench.harness import cpu_usage, report, systems, vllm_bench  # noqa: E402
 from bench.harness.client import LoadClient  # noqa: E402
 from bench.harness.profiler import Profiler  # noqa: E402
 from bench.harness.rr_proxy import RoundRobinProxy  # noqa: E402
@@ -112,12 +112,23 @@ def image_prompt_chars(checkpoint: str, small_px: int) -> int:
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
             tokenizer: str, profiler: Profiler | None = None) -> dict:
+    """One load point's results, with the CPU each request cost by process (bench/harness/cpu_usage.py),
+    counted from the load's start to its end (not while counters settle)."""
+    meter = cpu_usage.Meter([p.pid for p in system.procs])
+    result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter)
+    result["summary"]["cpu_ms_per_request"] = meter.per_request_ms(result["summary"].get("ok") or 0)
+    return result
+
+
+def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
+           tokenizer: str, profiler: Profiler | None, meter: cpu_usage.Meter) -> dict:
     if point.workload == "random_mm":
         if len(system.base_urls) == 1:
-            return {"summary": vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
-                                              point.concurrency, args.seed)}
+            with meter:
+                return {"summary": vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
+                                                  point.concurrency, args.seed)}
         # vLLM's client drives one URL: independent servers get a round-robin proxy in front.
-        with RoundRobinProxy(system.base_urls) as proxy:
+        with RoundRobinProxy(system.base_urls) as proxy, meter:
             summary = vllm_bench.run(proxy.url, systems.SERVED_NAME, tokenizer, point.n, point.concurrency,
                                      args.seed)
         return {"summary": summary, "load_balancer": f"round-robin proxy (bench/harness/rr_proxy.py) over "
@@ -134,10 +145,11 @@ def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFa
     if profiling:
         profiler.start([p.pid for p in system.procs], f"{system.name}-{system.replicas}_{point.name}")
     try:
-        if point.concurrency:
-            records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
-        else:
-            records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
+        with meter:
+            if point.concurrency:
+                records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
+            else:
+                records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
     finally:
         profiles = [p.name for p in profiler.stop()] if profiling else []
     counters = system.counters().minus(before)

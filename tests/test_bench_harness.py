@@ -7,6 +7,7 @@ every performance claim rests on cannot rot unnoticed."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -278,3 +279,30 @@ def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_
     summary = summarise([segments, request_segments(new, 10.0, 10.250)])
     assert summary["requests"] == 2 and summary["ttft_median_ms"] == 250.0
     assert summary["segments"][0]["what"] == "HTTP proxy to ingress"
+
+
+def test_cpu_meter_counts_a_process_tree_by_role():
+    """A real child that burns CPU under a real parent: its time lands on its role, per request."""
+    import subprocess
+    import sys
+
+    from bench.harness import cpu_usage
+
+    assert cpu_usage.role("ray::ServeReplica:iris:VisionEncoder.handle_request") == "VisionEncoder"
+    assert cpu_usage.role("ray::ServeReplica:rayllm:LLMServer:bench") == "LLMServer"
+    assert cpu_usage.role("VLLM::Worker") == "VLLM::Worker"
+    assert cpu_usage.role("/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=a") == "raylet"
+    assert cpu_usage.role("redis-server 127.0.0.1:6379") == "redis-server"
+    assert cpu_usage.role("python -m vllm.entrypoints.openai.api_server --model m") == "vllm api_server"
+
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        meter = cpu_usage.Meter([burner.pid])
+        assert meter.per_request_ms(2) == {}  # not measured yet
+        with meter:
+            time.sleep(1.0)
+        ms = meter.per_request_ms(2)
+        assert ms["total"] >= ms["other Ray processes"] > 50  # ≥ 0.1 s of CPU in 1 s, over 2 requests
+        assert meter.per_request_ms(0) == {}
+    finally:
+        burner.kill()

@@ -144,6 +144,18 @@ def markdown(run: dict) -> str:
         lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {s['distinct_images']} | "
                      f"{_fmt(s.get('encoder_runs_per_distinct_image'), 2)} | "
                      f"{_fmt(pooled * 100 if pooled is not None else None)}% ({rates}) | {shares or '–'} |")
+    cpu_rows = [r for r in results if r["summary"].get("cpu_ms_per_request")]
+    if cpu_rows:
+        lines += ["", "## CPU per request, by process", "",
+                  "CPU milliseconds (user + system) each request cost, from the load's start to its end, summed over "
+                  "every process of the system (Ray's own included) and the Redis server; the six largest roles "
+                  "(bench/harness/cpu_usage.py). On 2 cores, 1000 ms of CPU per second is half the machine.", "",
+                  "| system | replicas | load point | total | largest |", "|---|---|---|---|---|"]
+        for r in cpu_rows:
+            cpu = dict(r["summary"]["cpu_ms_per_request"])
+            total = cpu.pop("total", None)
+            top = ", ".join(f"{name} {ms:.0f}" for name, ms in list(cpu.items())[:6])
+            lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {_fmt(total)} | {top} |")
     skipped = [r for r in run["results"] if not r.get("summary")]
     if skipped:
         lines += ["", "## Not measured", ""] + [f"- {r['system']} ×{r['replicas']} {r['point']}: {r['skipped']}"
