@@ -21,6 +21,7 @@ from contextlib import aclosing
 import torch
 from ray import serve
 from ray.exceptions import ObjectLostError
+from ray.serve.exceptions import RayServeException
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
@@ -253,7 +254,10 @@ def _bind_engine_cores() -> None:
     count (its autoscaling maximum). A VLLM_CPU_OMP_THREADS_BIND set by the user wins."""
     if torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
-    context = serve.get_replica_context()
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # not in a replica
+        return
     autoscaling = getattr(getattr(context, "_deployment_config", None), "autoscaling_config", None)
     engines = autoscaling.max_replicas if autoscaling else (context.world_size or 1)
     local_rank = context.rank.local_rank if context.rank is not None else 0

@@ -1,6 +1,5 @@
 """Engines on one CPU-only node get cores of their own (pipeline/cpu_binding.py, LLMDecode)."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -40,18 +39,28 @@ def _context(local_rank, max_replicas=None, world_size=1):
 def test_decode_replica_binds_by_its_local_rank(monkeypatch, context, expected):
     import deployments.decode as decode
 
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    environ: dict[str, str] = {}  # the replica's environment, never this process's (other tests start vLLM)
+    monkeypatch.setattr(decode.os, "environ", environ)
     monkeypatch.setattr(decode.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
     monkeypatch.setattr(decode.serve, "get_replica_context", lambda: context)
     decode._bind_engine_cores()
-    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
 
 
 def test_a_users_binding_wins(monkeypatch):
     import deployments.decode as decode
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    environ = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    monkeypatch.setattr(decode.os, "environ", environ)
     monkeypatch.setattr(decode.serve, "get_replica_context", lambda: _context(1, max_replicas=2))
     decode._bind_engine_cores()
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert environ == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def test_binding_leaves_a_process_outside_serve_alone(monkeypatch):
+    import deployments.decode as decode
+
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(decode.os, "environ", environ)
+    decode._bind_engine_cores()  # no replica context here: nothing to go by
+    assert environ == {}
