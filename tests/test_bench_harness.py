@@ -200,6 +200,9 @@ def test_vllm_replicas_get_cores_of_their_own():
     assert vllm_cpu_binding(0, 1, [0, 1]) == {}  # one engine: vLLM's default
     assert [vllm_cpu_binding(i, 2, [0, 1]) for i in range(2)] == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert [vllm_cpu_binding(i, 2, [0, 1, 2, 3]) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+    assert vllm_cpu_binding(2, 3, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def test_round_robin_proxy_alternates_backends_and_streams():

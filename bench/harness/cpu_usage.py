@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from bench.harness.profiler import _processes
+from bench.harness.profiler import _processes, process_tree
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _ROLES = [
@@ -46,18 +46,9 @@ def _cpu_s(pid: int) -> float:
 
 def snapshot(roots: list[int]) -> dict[int, tuple[str, float]]:
     """pid -> (role, CPU seconds so far) for the processes under `roots` and any Redis server."""
-    procs = _processes()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    pids, stack = set(), list(roots)
-    while stack:
-        pid = stack.pop()
-        if pid not in pids:
-            pids.add(pid)
-            stack.extend(children.get(pid, []))
-    pids |= {pid for pid, (_, cmd) in procs.items() if cmd.split(" ", 1)[0].endswith("redis-server")}
-    return {pid: (role(procs[pid][1]), _cpu_s(pid)) for pid in pids if pid in procs}
+    tree = process_tree(roots)
+    tree.update({pid: cmd for pid, (_, cmd) in _processes().items() if cmd.split(" ", 1)[0].endswith("redis-server")})
+    return {pid: (role(cmd), _cpu_s(pid)) for pid, cmd in tree.items()}
 
 
 def per_request_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],

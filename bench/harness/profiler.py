@@ -36,17 +36,26 @@ def _processes() -> dict[int, tuple[int, str]]:
     return found
 
 
-def serving_processes(roots: list[int]) -> dict[str, int]:
-    """A readable name -> pid for each serving process below these roots."""
+def process_tree(roots: list[int]) -> dict[int, str]:
+    """pid -> command line of these live roots and every process below them."""
     procs = _processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
-    named, stack = {}, list(roots)
+    tree, stack = {}, [pid for pid in roots if pid in procs]
     while stack:
         pid = stack.pop()
-        stack.extend(children.get(pid, []))
-        m = _WANTED.match(procs.get(pid, (0, ""))[1])
+        if pid not in tree:
+            tree[pid] = procs[pid][1]
+            stack.extend(children.get(pid, []))
+    return tree
+
+
+def serving_processes(roots: list[int]) -> dict[str, int]:
+    """A readable name -> pid for each serving process below these roots."""
+    named = {}
+    for pid, cmdline in process_tree(roots).items():
+        m = _WANTED.match(cmdline)
         if m:
             name = m.group(1).removeprefix("ray::ServeReplica:").replace(":", "-")
             name = "vllm-api_server" if "api_server" in name else name
