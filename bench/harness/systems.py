@@ -51,6 +51,7 @@ class EngineSettings:
     dtype: str
     max_model_len: int = 2048
     max_images: int = 4
+    vllm_args: tuple[str, ...] = ()  # extra `vllm serve` arguments (the vllm system only)
 
 
 def free_port() -> int:
@@ -254,7 +255,8 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
-               "--enable-prefix-caching", "--limit-mm-per-prompt", f'{{"image": {engine.max_images}}}']
+               "--enable-prefix-caching", "--limit-mm-per-prompt", f'{{"image": {engine.max_images}}}',
+               *engine.vllm_args]
         procs.append(_spawn(cmd, log, vllm_cpu_binding(i, replicas)))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]

@@ -17,13 +17,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.models.builtin import BUILDER_VERSION, FAMILIES, SIZES, build_checkpoint
+from pipeline.models.builtin import BUILDER_VERSION, available, build_checkpoint
 
 BUILTIN_PREFIX = "builtin:"
 
 
 def builtin_names() -> list[str]:
-    return [f"{BUILTIN_PREFIX}{size}-{family.replace('_', '-')}" for size in SIZES for family in FAMILIES]
+    return [f"{BUILTIN_PREFIX}{size}-{family.replace('_', '-')}" for family, size in available()]
 
 
 def checkpoint_dir() -> Path:
@@ -48,7 +48,7 @@ def _ensure_builtin(model: str) -> Path:
     name = model[len(BUILTIN_PREFIX):]
     size, _, family = name.partition("-")
     family = family.replace("-", "_")
-    if size not in SIZES or family not in FAMILIES:
+    if (family, size) not in available():
         raise ValueError(f"unknown built-in model {model!r}; choose one of {builtin_names()}")
     root = checkpoint_dir()
     target = root / f"{size}-{family}-v{BUILDER_VERSION}"

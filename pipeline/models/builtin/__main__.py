@@ -1,0 +1,3 @@
+from pipeline.models.builtin import main
+
+main()

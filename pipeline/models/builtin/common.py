@@ -1,0 +1,105 @@
+"""What every built-in checkpoint builder shares: sizes, seeds, the tokenizer, saving."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Random weights drawn with the usual 0.02 std give near-uniform logits, so greedy
+# output barely depends on the image; a wider init makes tests sensitive to it.
+INIT_RANGE = 0.2
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Sizes of one built-in checkpoint. vLLM's CPU attention takes head sizes
+    32, 64, 80, 96, 112, 128, ... only: keep hidden / heads at one of them."""
+
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    image_size: int  # fixed-size towers: the input side; dynamic resolution: the side of max_pixels
+    patch_size: int
+    dtype: str
+
+
+def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: str, **extra):
+    """A byte-level BPE tokenizer with the 256 byte symbols and no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(special_tokens)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+        unk_token="<unk>" if "<unk>" in special_tokens else None, **extra,
+    )
+
+
+def token_ids(tokenizer, tokens: list[str]) -> dict[str, int]:
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+
+
+def chat_template(user_prefix: str, user_suffix: str, assistant_prefix: str, assistant_suffix: str,
+                  image: str, generation_prompt: str, system_prefix: str = "", system_suffix: str = "\n",
+                  bos: str = "") -> str:
+    """A Jinja chat template: text and image parts of user messages, string or list content."""
+    text_of = ("{{ message['content'] if message['content'] is string "
+               "else message['content'] | map(attribute='text') | join('') }}")
+    return (
+        bos + "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}" + system_prefix + text_of + system_suffix +
+        "{% elif message['role'] == 'user' %}" + user_prefix +
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image +
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}" + user_suffix +
+        "{% else %}" + assistant_prefix + text_of + assistant_suffix + "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
+    )
+
+
+def save(model, processor, tokenizer, spec: Spec, out: Path) -> None:
+    """Save in hub layout; the chat template also goes into tokenizer_config.json
+    (some loaders read it only there)."""
+    import torch
+
+    model = model.to(getattr(torch, spec.dtype)).eval()
+    model.config.dtype = spec.dtype
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = processor.chat_template
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def rename_weights(out: Path, rename) -> None:
+    """Rewrite the saved weight names with `rename(name) -> name` (transformers 5 saves
+    some families in a layout other than the hub's, which vLLM's loaders expect)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        save_file({rename(n): t.contiguous() for n, t in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def hub_vision_tower_name(name: str) -> str:
+    """CLIP towers: transformers 5 saves `vision_tower.<...>`; vLLM expects the hub layout
+    `vision_tower.vision_model.<...>` (as in llava-hf checkpoints)."""
+    for prefix in ("model.vision_tower.", "vision_tower."):
+        if name.startswith(prefix) and not name.startswith(prefix + "vision_model."):
+            return prefix + "vision_model." + name[len(prefix):]
+    return name

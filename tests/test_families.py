@@ -1,0 +1,128 @@
+"""Every family Iris serves, end to end, against `vllm serve` on the same tiny checkpoint.
+
+For each served built-in family (and one in bf16) one Iris app and one vLLM OpenAI
+server run side by side. The server is monolithic (its own processor and tower) and
+also writes its encoder's output per image through vLLM's `ECExampleConnector`
+(`ec_role: ec_both`), so one engine gives both references:
+- greedy tokens: one image, two image sizes, two images in one prompt;
+- features: what Iris's VisionEncoder computed for an image against the engine's
+  own encoder output for it (max abs difference <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+import torch
+from ray import serve
+
+from pipeline.models.builtin import SERVED_FAMILIES
+from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+
+from bench.harness.systems import SERVED_NAME as NAME  # the served model name of both systems
+CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall", "wide"]}
+FEATURE_TOLERANCE = 1e-5
+VARIANTS = [(family, "float32") for family in SERVED_FAMILIES] + [("qwen2_vl", "bfloat16")]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
+def systems(request, serve_instance, tiny_checkpoint, tmp_path_factory):
+    """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder)."""
+    from bench.harness.systems import EngineSettings, _start_vllm
+    from deployments.app import build_app
+    from tests.test_serving import _delete_namespace
+
+    family, dtype = request.param
+    checkpoint = tiny_checkpoint(family)
+    ec_dir = tmp_path_factory.mktemp(f"ec-{family}-{dtype}")
+    ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+          "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
+    engine = EngineSettings(checkpoint, dtype, 2048, 2, ("--seed", "0", "--ec-transfer-config", json.dumps(ec)))
+    app = f"iris-fam-{family}-{dtype}"
+    namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
+    # Both start at once: much of a start is single-threaded imports, and there are two cores.
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(_start_vllm, 1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(), 600)
+        try:
+            serve.run(build_app({"model": checkpoint, "served_model_name": NAME, "max_images_per_prompt": 2,
+                                 "dtype": dtype, "engine_args": {"max_model_len": 2048},
+                                 "cache": {"namespace": namespace, "ttl_s": 600}}),
+                      name=app, route_prefix=f"/{app}")
+            vllm = starting.result()
+        except BaseException:
+            serve.delete(app)
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+    try:
+        yield family, dtype, f"{serve_instance}/{app}", app, vllm.base_urls[0], ec_dir
+    finally:
+        vllm.stop()
+        serve.delete(app)
+        _delete_namespace(namespace)
+
+
+def _chat(base: str, images: list[str], uuids: list[str] | None = None) -> dict:
+    parts = []
+    for i, name in enumerate(images):
+        part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(name))}}
+        if uuids:
+            part["uuid"] = uuids[i]
+        parts.append(part)
+    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}]}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokens(reply: dict) -> list[tuple[str, list[int]]]:
+    return [(t["token"], t["bytes"]) for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_vllm_serve(systems, case):
+    family, dtype, iris, _, vllm, _ = systems
+    ours, theirs = _chat(iris, CASES[case]), _chat(vllm, CASES[case])
+    assert _tokens(ours) == _tokens(theirs), (family, dtype, case)
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
+    for field in ("prompt_tokens", "completion_tokens"):
+        assert ours["usage"][field] == theirs["usage"][field], (family, case, field)
+
+
+def test_greedy_output_depends_on_the_image(systems):
+    """Otherwise the token comparison above would prove nothing about the features."""
+    _, _, iris, _, _, _ = systems
+    assert _tokens(_chat(iris, ["square"])) != _tokens(_chat(iris, ["wide"]))
+
+
+@pytest.mark.parametrize("image", ["square", "wide"])
+def test_features_equal_the_engine_encoder_output(systems, image):
+    from safetensors.torch import load_file
+
+    from cache_service.keys import content_key
+    from pipeline.stage_io import ImageJob
+
+    family, dtype, _, app, vllm, ec_dir = systems
+    marker = f"fid-{image}-{uuid.uuid4().hex[:8]}"
+    _chat(vllm, [image], uuids=[marker])  # the engine writes its encoder output under the uuid
+    engine = load_file(str(ec_dir / marker / "encoder_cache.safetensors"))["ec_cache"]
+
+    encoder = serve.get_deployment_handle("VisionEncoder", app_name=app)
+    data = png_bytes(image)
+    key = content_key(encoder.get_fingerprint.remote().result(), data, f"fidelity-{uuid.uuid4().hex[:8]}")
+    pixels = serve.get_deployment_handle("Preprocess", app_name=app).pixels.remote(ImageJob(0, key, data))
+    encoded = encoder.encode.remote(key, pixels).result()
+    ours = ray.get(encoded.features_ref).tensors["image_embeds"]
+
+    assert ours.dtype == engine.dtype == getattr(torch, dtype)
+    assert ours.shape == engine.shape, (family, image)
+    difference = (ours.float() - engine.float()).abs().max().item()
+    assert difference <= FEATURE_TOLERANCE, (family, dtype, image, difference)
