@@ -327,11 +327,11 @@ def main() -> None:
         print(json.dumps(run["scaling"], indent=1))
         return
     from bench.compare import _git_commit, _machine, warm_up
-    from pipeline.families import adapter_for
+    from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
     checkpoint = resolve_model(args.model)
-    engine = systems.EngineSettings(checkpoint, str(adapter_for(checkpoint).vision_dtype).removeprefix("torch."))
+    engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))
     factory = WorkloadFactory(args.seed, max_tokens=16)
     for conv in factory.large(8).conversations:  # draw the photos now, not during the first phase
         _jpeg_body_b64(conv.turns[0].image)

@@ -104,10 +104,10 @@ def image_prompt_chars(checkpoint: str, small_px: int) -> int:
 
     from PIL import Image
 
-    from pipeline.families import adapter_for
+    from pipeline.vision_model import VisionModel
 
     data = base64.b64decode(ImageSpec(0, small_px, small_px).data_url.split(",", 1)[1])
-    return adapter_for(checkpoint).preprocess(Image.open(io.BytesIO(data)).convert("RGB")).num_tokens
+    return VisionModel(checkpoint).preprocess(Image.open(io.BytesIO(data)).convert("RGB")).num_tokens
 
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
@@ -198,7 +198,7 @@ def main() -> None:
 def run_comparison(args, command: str) -> dict:
     from tqdm import tqdm
 
-    from pipeline.families import adapter_for
+    from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -213,7 +213,7 @@ def run_comparison(args, command: str) -> dict:
     plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep)
             for p in plan]
     checkpoint = resolve_model(args.model)
-    dtype = str(adapter_for(checkpoint).vision_dtype).removeprefix("torch.")
+    dtype = checkpoint_dtype(checkpoint)
     engine = systems.EngineSettings(checkpoint, dtype)
     factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
     image_chars = image_prompt_chars(checkpoint, args.small_px)

@@ -176,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/soak.json")
     args = parser.parse_args(argv)
 
-    from pipeline.families import adapter_for
+    from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
     checkpoint = resolve_model(args.model)
-    dtype = str(adapter_for(checkpoint).vision_dtype).removeprefix("torch.")
+    dtype = checkpoint_dtype(checkpoint)
     warmup_s = args.warmup_s if args.warmup_s is not None else args.minutes * 60 / 5
     system = systems.start("iris", 1, systems.EngineSettings(checkpoint, dtype),
                            Path(tempfile.mkdtemp(prefix="iris-soak-logs-")))

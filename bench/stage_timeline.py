@@ -123,11 +123,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from bench.compare import _git_commit, _machine, image_prompt_chars, warm_up
-    from pipeline.families import adapter_for
+    from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
     checkpoint = resolve_model(args.model)
-    engine = systems.EngineSettings(checkpoint, str(adapter_for(checkpoint).vision_dtype).removeprefix("torch."))
+    engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))
     factory = WorkloadFactory(args.seed, max_tokens=16)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
     trace = log_dir / "stage_trace.jsonl"

@@ -44,8 +44,8 @@ def bench_family(family: str, repeats: int) -> dict:
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
 
-    from pipeline.families import adapter_for
     from pipeline.models.source import resolve_model
+    from pipeline.vision_model import VisionModel
 
     checkpoint = resolve_model(f"builtin:bench-{family.replace('_', '-')}")
     rng = np.random.default_rng(0)
@@ -54,28 +54,27 @@ def bench_family(family: str, repeats: int) -> dict:
     image.save(buf, format="JPEG", quality=90)
     jpeg = buf.getvalue()
 
-    adapter = adapter_for(checkpoint)
-    adapter.load_vision()
+    vision = VisionModel(checkpoint)
+    vision.load_encoder()
 
     def preprocess():
-        return adapter.preprocess(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+        return vision.preprocess(Image.open(io.BytesIO(jpeg)).convert("RGB"))
 
     pixels = preprocess()
     result = {
         "checkpoint": checkpoint,
         "visual_tokens": pixels.num_tokens,
-        "vision_params_m": round(sum(p.numel() for p in adapter.vision.parameters()) / 1e6, 1),
         "preprocess_ms": _median_ms(preprocess, repeats),
-        "vision_ms": _median_ms(lambda: adapter.encode([pixels]), repeats),
+        "vision_ms": _median_ms(lambda: vision.encode([pixels]), repeats),
     }
-    features = adapter.encode([pixels])
+    features = vision.encode([pixels])
     processor = AutoProcessor.from_pretrained(checkpoint)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    llm = LLM(checkpoint, dtype=str(adapter.vision_dtype).removeprefix("torch."), enable_mm_embeds=True,
+    llm = LLM(checkpoint, dtype=str(vision.dtype).removeprefix("torch."), enable_mm_embeds=True,
               enable_prefix_caching=False, max_model_len=2048, seed=0)
     params = SamplingParams(temperature=0, max_tokens=1)
-    embeds = {"prompt": prompt, "multi_modal_data": {"image": adapter.vllm_image_data(features)}}
+    embeds = {"prompt": prompt, "multi_modal_data": {"image": vision.embedding_input(features)}}
     fresh = iter([Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)) for _ in range(repeats + 1)])
     same = Image.open(io.BytesIO(jpeg)).convert("RGB")
 

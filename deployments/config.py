@@ -22,7 +22,8 @@ class IrisConfig(BaseModel):
 
     model: str = Field(
         "builtin:tiny-llava",
-        description="builtin:<tiny|bench>-<llava|qwen2-vl|qwen2-5-vl>, a local checkpoint folder, or a hub id.",
+        description="builtin:<size>-<family> (README: Model families), a local checkpoint folder of any "
+        "family served, or a hub id.",
     )
     served_model_name: str | None = Field(
         None, description="Name clients pass as `model` and /v1/models lists; defaults to `model`."
@@ -35,8 +36,8 @@ class IrisConfig(BaseModel):
     encoder_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
         "auto",
         description="Most images per vision-encoder forward pass. auto: 8 on a GPU, where a batch costs "
-        "little more than one image; 1 on the CPU, where a batch costs nearly the sum of its images "
-        "(bench/encoder_cpu.py), so batching would mostly hold finished images back.",
+        "little more than one image; 1 on the CPU, where a batch costs nearly the sum of its images, "
+        "so batching would mostly hold finished images back.",
     )
     encoder_batch_wait_s: float = Field(
         0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
@@ -52,9 +53,6 @@ class IrisConfig(BaseModel):
         description="Token deltas produced within this interval travel to the client as one chunk "
         "(the first token is sent at once); 0 sends every delta as it comes.",
     )
-    encoder_device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where the vision tower runs; auto picks cuda when a GPU is visible."
-    )
     encoder_cpu_threads: int | None = Field(
         None, ge=1, le=512,
         description="CPU only: torch threads for the vision tower. Ray gives an actor with fractional "
@@ -62,8 +60,8 @@ class IrisConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Compute dtype of the vision encoder and of vLLM; auto takes the checkpoint's. "
-        "Both must match for features to equal vLLM's own.",
+        description="Compute dtype of the vision encoder and of vLLM (vLLM's --dtype); auto takes the "
+        "checkpoint's. One setting for both, so features equal vLLM's own.",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=lambda: {"max_model_len": 4096},

@@ -30,14 +30,13 @@ from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.cpu_binding import omp_threads_bind
 from pipeline.errors import IrisError, bad_request
-from pipeline.families import adapter_for
-from pipeline.fingerprint import expected_fingerprint
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.stage_trace import mark
 from pipeline.tenant import cache_salt
 from pipeline.tokenize import TokenizeJob
+from pipeline.vision_model import VisionModel
 from pipeline.vllm_sampling import max_tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -53,11 +52,14 @@ class LLMDecode:
 
         _bind_engine_cores()
         checkpoint = resolve_model(config.model)
-        self.adapter = adapter_for(checkpoint)
-        self.processor = AutoProcessor.from_pretrained(str(self.adapter.root))
-        dtype = config.dtype if config.dtype != "auto" else str(self.adapter.vision_dtype).removeprefix("torch.")
+        self.processor = AutoProcessor.from_pretrained(checkpoint)
+        # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
+        # the encoder's fingerprint (computed before the engine takes the device's memory).
+        self.vision = VisionModel(checkpoint, config.dtype, config.max_images_per_prompt)
+        # Keys of other weights (a rolling update) are refused.
+        self.fingerprint = self.vision.expected_fingerprint()
         args = AsyncEngineArgs(
-            model=checkpoint, served_model_name=[config.model_name], dtype=dtype,
+            model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
             limit_mm_per_prompt={"image": config.max_images_per_prompt},
             **{**config.engine_args, **REQUIRED_ENGINE_ARGS},
         )
@@ -68,12 +70,8 @@ class LLMDecode:
         self.stream_interval_s = config.stream_interval_s
         self.max_tokens_limit = config.max_tokens_limit  # larger requests were refused by the ingress
         # Values read from Redis must carry the fingerprint of their key and look like this
-        # family's features in the engine's dtype: a forged or stale entry is a miss, never an input.
-        feature_dtype = getattr(torch, dtype)
-        # Our own model's fingerprint: keys of other weights (a rolling update) are refused.
-        self.fingerprint = expected_fingerprint(self.adapter, feature_dtype)
-        self.cache = FeatureCache(config.cache, check=ValueCheck(
-            lambda f: self.adapter.feature_problem(f, feature_dtype)))
+        # model's features: a forged or stale entry is a miss, never an input.
+        self.cache = FeatureCache(config.cache, check=ValueCheck(self.vision.feature_problem))
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
@@ -139,7 +137,7 @@ class LLMDecode:
         # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
         engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
         if keys:
-            engine_prompt["multi_modal_data"] = {"image": self.adapter.vllm_image_data(features)}
+            engine_prompt["multi_modal_data"] = {"image": self.vision.embedding_input(features)}
             engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
         try:  # as vLLM's serving_chat: the max_tokens default and generation_config come in here
             max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params,

@@ -1,4 +1,5 @@
-"""VisionEncoder: the vision tower + projector only, batched across requests.
+"""VisionEncoder: vLLM's model class for the checkpoint with the tower and projector
+only (`mm_encoder_only`), batched across requests (pipeline/vision_model.py).
 
 Computes each image's features through the cache's single-flight (one
 computation per key cluster-wide), puts them in Ray's object store for the
@@ -22,13 +23,11 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
-from pipeline.cpu_gemm import use_vllm_cpu_gemm
 from pipeline.errors import IrisError
-from pipeline.families import PixelInputs, adapter_for
-from pipeline.fingerprint import model_fingerprint
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import EncodedImage
 from pipeline.stage_trace import mark
+from pipeline.vision_model import PixelInputs, VisionModel
 
 
 GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
@@ -43,22 +42,14 @@ class _Queued:
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class VisionEncoder:
     def __init__(self, config: IrisConfig):
-        self.adapter = adapter_for(resolve_model(config.model))
-        device = config.encoder_device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu" and config.encoder_cpu_threads:
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu and config.encoder_cpu_threads:
             torch.set_num_threads(config.encoder_cpu_threads)
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.adapter.load_vision(device=device, dtype=dtype)
-        if device == "cpu":
-            # Here, not in load_vision: the decoder loads the tower only to hash its weights.
-            use_vllm_cpu_gemm(self.adapter.vision)
-        feature_dtype = next(self.adapter.vision.parameters()).dtype
-        self.fingerprint = model_fingerprint(self.adapter, {"dtype": str(feature_dtype)})
+        self.vision = VisionModel(resolve_model(config.model), config.dtype, config.max_images_per_prompt)
+        self.vision.load_encoder()
+        self.fingerprint = self.vision.fingerprint()
         # Values read from Redis must carry our fingerprint and look like our features.
-        self.cache = FeatureCache(config.cache, check=ValueCheck(
-            lambda f: self.adapter.feature_problem(f, feature_dtype)))
+        self.cache = FeatureCache(config.cache, check=ValueCheck(self.vision.feature_problem))
         self.cache_metrics = CacheMetrics(self.cache)
         # Batch cost units make one limit do two jobs: with a token budget T and a
         # count N, an image costs max(min(tokens, T) * N, T) of N * T, so a batch
@@ -66,7 +57,7 @@ class VisionEncoder:
         self.max_tokens = config.encoder_batch_max_tokens
         self.max_images = config.encoder_batch_size
         if self.max_images == "auto":
-            self.max_images = GPU_BATCH_SIZE if device == "cuda" else 1
+            self.max_images = GPU_BATCH_SIZE if on_gpu else 1
         self._forward.set_max_batch_size(self.max_images * (self.max_tokens or 1))
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
         self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
@@ -118,7 +109,7 @@ class VisionEncoder:
     async def _forward(self, batch: list[_Queued]):
         start = time.perf_counter()
         mark("encoder.forward_start")
-        features = await asyncio.to_thread(self.adapter.encode, [q.pixels for q in batch])
+        features = await asyncio.to_thread(self.vision.encode, [q.pixels for q in batch])
         mark("encoder.forward_end")
         self.batch_seconds.observe(time.perf_counter() - start)
         self.batch_size.observe(len(batch))

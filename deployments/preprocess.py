@@ -10,23 +10,25 @@ from __future__ import annotations
 import asyncio
 import time
 
+from PIL import Image
 from ray import serve
 
 from deployments.config import IrisConfig
 from deployments.metrics import latency_histogram
 from pipeline.errors import IrisError, bad_request
-from pipeline.families import PixelInputs, adapter_for
 from pipeline.media import decode_image
 from pipeline.models.source import resolve_model
 from pipeline.stage_io import ImageJob
 from pipeline.stage_trace import mark
+from pipeline.vision_model import PixelInputs, VisionModel
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class Preprocess:
     def __init__(self, config: IrisConfig):
-        self.adapter = adapter_for(resolve_model(config.model))  # configs only: no weights here
-        self.adapter.load_preprocessing()  # imports + warm-up now, not racing in the first burst
+        # vLLM's processor only: no weights here.
+        self.vision = VisionModel(resolve_model(config.model), config.dtype, config.max_images_per_prompt)
+        self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
         self.limits = config.media
         self.seconds = latency_histogram("iris_preprocess_seconds", "Seconds to decode and preprocess one image")
         self.images_preprocessed = 0
@@ -36,7 +38,7 @@ class Preprocess:
         param = f"image[{job.index}]"
         image = decode_image(job.data, self.limits, param=param)
         try:
-            return self.adapter.preprocess(image)
+            return self.vision.preprocess(image)
         except ValueError as err:  # e.g. Qwen2-VL refuses aspect ratios above 200
             raise bad_request(f"image cannot be preprocessed for this model: {err}", param=param,
                               code="invalid_image") from err

@@ -92,6 +92,8 @@ class VisionModel:
         self._dict_input = bool(roles)
         self.model: torch.nn.Module | None = None
         self.feature_width: int | None = None  # known once the encoder was loaded here
+        self._weights_digest: str | None = None
+        self._metadata_kinds: dict[str, tuple[torch.dtype, int]] = {}  # name -> (dtype, ndim), as encoded
 
     # --- Preprocess (CPU) -------------------------------------------------------
     def preprocess(self, image: Image.Image) -> PixelInputs:
@@ -106,15 +108,28 @@ class VisionModel:
     def load_encoder(self) -> None:
         """vLLM's model class with the tower and projector only, on vLLM's device."""
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader import get_model
+        from vllm.model_executor.model_loader import get_model_loader
 
+        # What get_model does, with the weights hashed as loaded: vLLM then repacks some
+        # into kernel formats (on the CPU, linear weights into oneDNN handles, leaving
+        # empty parameters), which would hide them from a hash of the finished model.
+        loader = get_model_loader(self.vllm_config.load_config)
+        load_weights = loader.load_weights
+
+        def load_and_hash(model, model_config):
+            load_weights(model, model_config)
+            self._weights_digest = _weights_digest(model)
+
+        loader.load_weights = load_and_hash
         with set_current_vllm_config(self.vllm_config):
             _init_vllm_distributed()
-            self.model = get_model(vllm_config=self.vllm_config)
+            self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.vllm_config.model_config)
         # One small image warms the tower up and tells the width of its features, which
         # vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's carry DeepStack taps).
         (warm,) = self.encode([self.preprocess(Image.new("RGB", (64, 64), (128, 128, 128)))])
         self.feature_width = int(warm.tensors[self.values_field].shape[1])
+        self._metadata_kinds = {name: (warm.tensors[name].dtype, warm.tensors[name].ndim)
+                                for name in self.metadata_fields}
         self._check_embedding_input(warm)
 
     @torch.inference_mode()
@@ -162,7 +177,7 @@ class VisionModel:
     def fingerprint(self) -> str:
         """What shapes an image's features: the tower's and projector's weights (byte by byte),
         the architecture and processor settings, the dtype. The language model is not in it."""
-        if self.model is None:
+        if self._weights_digest is None:
             raise RuntimeError("load_encoder() before computing the fingerprint")
         root = Path(self.checkpoint)
         parts = [json.dumps({"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs},
@@ -172,10 +187,7 @@ class VisionModel:
                 parts.append((root / name).read_bytes())
         if not (root / "config.json").is_file():  # a hub id: the resolved config instead
             parts.append(self.vllm_config.model_config.hf_config.to_json_string().encode())
-        for name, tensor in sorted(self.model.state_dict().items()):
-            parts.append(name.encode())
-            parts.append(str(tensor.dtype).encode())
-            parts.append(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        parts.append(self._weights_digest.encode())
         return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
 
     def expected_fingerprint(self) -> str:
@@ -211,6 +223,9 @@ class VisionModel:
             return f"{self.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
         if self.feature_width is not None and values.shape[1] != self.feature_width:
             return f"{self.values_field} is {values.shape[1]} wide, this model's features {self.feature_width}"
+        for name, (dtype, ndim) in self._metadata_kinds.items():
+            if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
+                return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
         try:
             items = self.processor.data_parser.parse_mm_data({"image": self.embedding_input([features])})
             out = self.processor(self._image_prompt, items, hf_processor_mm_kwargs={})
@@ -220,6 +235,15 @@ class VisionModel:
         if placeholder.get_num_embeds() != values.shape[0]:
             return f"{values.shape[0]} feature rows for a placeholder of {placeholder.get_num_embeds()} tokens"
         return None
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter and buffer, byte by byte, with its name and dtype."""
+    parts = []
+    for name, tensor in sorted(model.state_dict().items()):
+        parts += [name.encode(), str(tensor.dtype).encode(),
+                  content_hash(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).encode()]
+    return content_hash(b"\0".join(parts))
 
 
 def _init_vllm_distributed() -> None:

@@ -1,20 +1,18 @@
-"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run),
-plain-vLLM reference outputs, and one Ray cluster with Serve for the app tests."""
+"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run) and
+one Ray cluster with Serve for the app tests."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.cache_fixtures import free_port
 from tests.cache_fixtures import make_cache, namespace, raw_redis, redis_process  # noqa: F401  (cache-test fixtures)
-from tests.support.images import REFERENCE_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,26 +44,34 @@ def image_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_reference(tiny_checkpoint, image_files, tmp_path_factory):
-    """family -> {image name: plain-vLLM result}, one engine process per family."""
-    cache: dict[str, dict] = {}
+def vllm_server(tiny_checkpoint, tmp_path_factory):
+    """(family, dtype) -> (base URL, encoder-output folder) of `vllm serve` on that built-in
+    checkpoint: the monolithic reference, which also writes its encoder's output per image
+    (vLLM's ECExampleConnector, `ec_role: ec_both`; the folder is named by the image's uuid).
+    The tiny LLaVA one stays up for the session (several modules compare against it);
+    starting another stops the previous other, so at most two run at once."""
+    from bench.harness.systems import EngineSettings, _start_vllm
 
-    def get(family: str) -> dict:
-        if family not in cache:
-            folder = tmp_path_factory.mktemp(f"reference-{family}")
-            names = list(image_files)
-            cases = [{"image": str(image_files[n]), "text": REFERENCE_TEXT} for n in names]
-            (folder / "cases.json").write_text(json.dumps(cases))
-            out = folder / "out.json"
-            proc = subprocess.run(
-                [sys.executable, str(ROOT / "tests/support/vllm_offline.py"), tiny_checkpoint(family),
-                 str(folder / "cases.json"), str(out)],
-                cwd=ROOT, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[family] = dict(zip(names, json.loads(out.read_text())))
-        return cache[family]
+    keep = ("llava", "float32")
+    running: dict[tuple[str, str], tuple] = {}
 
-    return get
+    def get(family: str, dtype: str = "float32") -> tuple[str, Path]:
+        if (family, dtype) not in running:
+            for other in [k for k in running if k != keep]:
+                running.pop(other)[0].stop()
+            ec_dir = tmp_path_factory.mktemp(f"ec-{family}-{dtype}")
+            ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+                  "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
+            engine = EngineSettings(tiny_checkpoint(family), dtype, 2048, 2,
+                                    ("--seed", "0", "--ec-transfer-config", json.dumps(ec)))
+            running[(family, dtype)] = (_start_vllm(1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(),
+                                                    600), ec_dir)
+        system, ec_dir = running[(family, dtype)]
+        return system.base_urls[0], ec_dir
+
+    yield get
+    for system, _ in running.values():
+        system.stop()
 
 
 @pytest.fixture(scope="session")

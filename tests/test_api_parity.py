@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 
 import httpx
@@ -30,15 +29,8 @@ def checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def vllm_base(checkpoint, tmp_path_factory):
-    from bench.harness.systems import EngineSettings, _start_vllm
-
-    system = _start_vllm(1, EngineSettings(checkpoint, "float32", 2048, 2), tmp_path_factory.mktemp("vllm"),
-                         time.monotonic(), 600)
-    try:
-        yield system.base_urls[0]
-    finally:
-        system.stop()
+def vllm_base(vllm_server):
+    return vllm_server("llava", "float32")[0]
 
 
 @pytest.fixture(scope="module")

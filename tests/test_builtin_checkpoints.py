@@ -1,18 +1,18 @@
-"""The built-in checkpoints: deterministic, hub layout, loadable by transformers,
-and Iris's vision-only loading gives the full model's image features."""
+"""The built-in checkpoints: deterministic, hub layout, loadable by transformers;
+and vLLM's encoder-only model batches them. (That Iris's features equal vLLM's own
+encoder output is tests/test_families.py.)"""
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.families import adapter_for
-from pipeline.models.builtin import build_checkpoint
+from pipeline.models.builtin import FAMILIES, build_checkpoint
 from pipeline.models.source import resolve_model
+from pipeline.vision_model import VisionModel
 from tests.support.images import SIZES, make_image
-
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -33,11 +33,9 @@ def test_hub_layout(family, tiny_checkpoint):
         assert (folder / name).is_file(), name
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    if family == "llava":  # llava-hf layout, which vLLM's loader expects
+    if family in ("llava", "llava_next", "gemma3"):  # the hub's CLIP/SigLIP layout, which vLLM's loader expects
         assert any(k.startswith("vision_tower.vision_model.") for k in keys)
-        assert any(k.startswith("multi_modal_projector.") for k in keys)
-    else:
-        assert any(k.startswith("visual.") for k in keys)
+        assert not any(k.startswith("vision_tower.encoder.") for k in keys)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -54,59 +52,31 @@ def test_transformers_loads_and_runs(family, tiny_checkpoint):
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     # The processor expanded the single image placeholder into the vision tokens.
-    image_token = model.config.image_token_index if family == "llava" else model.config.image_token_id
+    image_token = getattr(model.config, "image_token_id", None) or model.config.image_token_index
     assert int((inputs["input_ids"] == image_token).sum()) > 1
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_adapter_features_equal_full_model(family, tiny_checkpoint):
-    """Loading only the vision tower + projector gives exactly the full model's image features."""
-    from transformers import AutoModelForImageTextToText
-
-    folder = tiny_checkpoint(family)
-    adapter = adapter_for(folder)
-    adapter.load_vision()
-    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
-    n_params = sum(p.numel() for p in adapter.vision.parameters())
-    assert n_params < sum(p.numel() for p in model.parameters())  # no language model loaded
-    if family == "llava":  # the tower stops at the feature layer (-2), as vLLM's does
-        built = len(adapter.vision.vision_tower.encoder.layers)
-        assert built == model.config.vision_config.num_hidden_layers - 1
-    for name, size in SIZES.items():
-        image = make_image(*size)
-        pixels = adapter.preprocess(image)
-        ours = adapter.encode([pixels])[0].tensors["image_embeds"]
-        inputs = adapter.image_processor(images=[image], return_tensors="pt")
-        with torch.no_grad():
-            if family == "llava":
-                ref = model.model.get_image_features(inputs["pixel_values"], vision_feature_layer=-2,
-                                                     vision_feature_select_strategy="default").pooler_output[0]
-            else:
-                ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
-        assert ours.shape == ref.shape == (pixels.num_tokens, model.config.text_config.hidden_size)
-        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4)
-
-
 def test_batched_encode_equals_single(tiny_checkpoint):
-    adapter = adapter_for(tiny_checkpoint("qwen2_vl"))
-    adapter.load_vision()
-    pixels = [adapter.preprocess(make_image(*s)) for s in SIZES.values()]
-    batched = adapter.encode(pixels)
+    vision = VisionModel(tiny_checkpoint("qwen2_vl"))
+    vision.load_encoder()
+    pixels = [vision.preprocess(make_image(*s)) for s in SIZES.values()]
+    batched = vision.encode(pixels)
     for p, b in zip(pixels, batched):
-        torch.testing.assert_close(b.tensors["image_embeds"], adapter.encode([p])[0].tensors["image_embeds"],
+        torch.testing.assert_close(b.tensors["image_embeds"], vision.encode([p])[0].tensors["image_embeds"],
                                    rtol=0, atol=1e-4)
     assert len({p.num_tokens for p in pixels}) == 3  # sizes differ: dynamic resolution works
 
 
 def test_bench_checkpoints_build_and_load(tmp_path):
-    """The bench sizes have a realistic vision tower (CLIP ViT-B/16 at 224 px)."""
-    for family in FAMILIES:
+    """The bench sizes have a realistic vision tower (ViT-B: CLIP ViT-B/16 at 224 px for LLaVA)."""
+    for family in ("llava", "qwen2_vl", "qwen2_5_vl"):
         folder = build_checkpoint(family, "bench", tmp_path / family)
-        adapter = adapter_for(str(folder))
-        adapter.load_vision()
-        vision_params = sum(p.numel() for p in adapter.vision.parameters())
-        assert vision_params > 75e6, vision_params  # ViT-B is ~86M; LLaVA builds 11 of its 12 layers
-        features = adapter.encode([adapter.preprocess(make_image(224, 224, 0))])[0]
+        vision_config = json.loads((folder / "config.json").read_text())["vision_config"]
+        assert vision_config.get("embed_dim", vision_config["hidden_size"]) == 768  # ViT-B: 768 wide, 12 deep
+        assert vision_config.get("depth", vision_config.get("num_hidden_layers")) == 12
+        vision = VisionModel(str(folder))
+        vision.load_encoder()
+        features = vision.encode([vision.preprocess(make_image(224, 224, 0))])[0]
         assert features.tensors["image_embeds"].shape[0] == (196 if family == "llava" else 64)
 
 

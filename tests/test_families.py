@@ -11,8 +11,6 @@ also writes its encoder's output per image through vLLM's `ECExampleConnector`
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,38 +30,29 @@ VARIANTS = [(family, "float32") for family in SERVED_FAMILIES] + [("qwen2_vl", "
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
-def systems(request, serve_instance, tiny_checkpoint, tmp_path_factory):
+def systems(request, serve_instance, tiny_checkpoint, vllm_server):
     """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder)."""
-    from bench.harness.systems import EngineSettings, _start_vllm
     from deployments.app import build_app
     from tests.test_serving import _delete_namespace
 
     family, dtype = request.param
-    checkpoint = tiny_checkpoint(family)
-    ec_dir = tmp_path_factory.mktemp(f"ec-{family}-{dtype}")
-    ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
-          "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
-    engine = EngineSettings(checkpoint, dtype, 2048, 2, ("--seed", "0", "--ec-transfer-config", json.dumps(ec)))
     app = f"iris-fam-{family}-{dtype}"
     namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
     # Both start at once: much of a start is single-threaded imports, and there are two cores.
     with ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(_start_vllm, 1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(), 600)
+        starting = pool.submit(vllm_server, family, dtype)
         try:
-            serve.run(build_app({"model": checkpoint, "served_model_name": NAME, "max_images_per_prompt": 2,
-                                 "dtype": dtype, "engine_args": {"max_model_len": 2048},
+            serve.run(build_app({"model": tiny_checkpoint(family), "served_model_name": NAME,
+                                 "max_images_per_prompt": 2, "dtype": dtype, "engine_args": {"max_model_len": 2048},
                                  "cache": {"namespace": namespace, "ttl_s": 600}}),
                       name=app, route_prefix=f"/{app}")
-            vllm = starting.result()
+            vllm, ec_dir = starting.result()
         except BaseException:
             serve.delete(app)
-            if starting.exception() is None:
-                starting.result().stop()
             raise
     try:
-        yield family, dtype, f"{serve_instance}/{app}", app, vllm.base_urls[0], ec_dir
+        yield family, dtype, f"{serve_instance}/{app}", app, vllm, ec_dir
     finally:
-        vllm.stop()
         serve.delete(app)
         _delete_namespace(namespace)
 

@@ -1,8 +1,7 @@
-"""Run in a fresh interpreter: 8 threads call adapter.preprocess at once on a
-new adapter, as the first burst after a replica starts. Prints a JSON summary.
+"""Run in a fresh interpreter: 8 threads call VisionModel.preprocess at once on a
+new VisionModel, as the first burst after a replica starts. Prints a JSON summary.
 
-Usage: python -m tests.support.preprocess_burst CHECKPOINT [--eager]
-(--eager calls load_preprocessing() first, as the Preprocess replica does).
+Usage: python -m tests.support.preprocess_burst CHECKPOINT
 """
 
 from __future__ import annotations
@@ -13,18 +12,16 @@ import threading
 
 from PIL import Image
 
-from pipeline.families import adapter_for
-
 THREADS = 8
 
 
 def main() -> None:
-    checkpoint, eager = sys.argv[1], "--eager" in sys.argv
-    adapter = adapter_for(checkpoint)
-    # The race is in transformers' first (lazy) import: it must not have happened yet.
-    fresh = "transformers" not in sys.modules
-    if eager:
-        adapter.load_preprocessing()
+    checkpoint = sys.argv[1]
+    # The race was in transformers' lazy imports of an image processor's modules: none yet.
+    fresh = not any(name.startswith("transformers.models.") and "image_processing" in name for name in sys.modules)
+    from pipeline.vision_model import VisionModel
+
+    vision = VisionModel(checkpoint)
     barrier = threading.Barrier(THREADS)
     errors, tokens = [], []
 
@@ -32,7 +29,7 @@ def main() -> None:
         image = Image.new("RGB", (48 + 8 * i, 64), (30 * i, 100, 200))
         barrier.wait()
         try:
-            tokens.append(adapter.preprocess(image).num_tokens)
+            tokens.append(vision.preprocess(image).num_tokens)
         except Exception as err:  # the bug under test: ImportError from a worker thread
             errors.append(f"{type(err).__name__}: {err}")
 
