@@ -34,6 +34,11 @@ from cache_service.keys import content_hash
 FINGERPRINT_CHARS = 16
 DEFAULT_VALUES_FIELD = "image_embeds"  # the name vLLM's models give precomputed image features
 
+# Metadata that some families' embedding inputs carry but vLLM's processor does not output
+# for pixels, by field name, from the image: MiniCPM-V sizes its slice grid from the
+# original image's [width, height].
+_METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, image.height])}
+
 # vLLM's torch.distributed state is per process: initialise it once (under a lock:
 # Ray replicas may construct two models from two threads).
 _DISTRIBUTED_LOCK = threading.Lock()
@@ -45,7 +50,7 @@ class PixelInputs:
 
     item: Any  # vllm.multimodal.inputs.MultiModalKwargsItem
     num_tokens: int
-    meta: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
 
 
 def checkpoint_dtype(checkpoint: str) -> str:
@@ -90,6 +95,7 @@ class VisionModel:
         self.values_field = values[0] if values else DEFAULT_VALUES_FIELD
         self.metadata_fields = tuple(sorted(name for name, role in roles.items() if role == "metadata"))
         self._dict_input = bool(roles)
+        self._batched_values = False  # dict input: one tensor per image rather than all rows in one
         self.model: torch.nn.Module | None = None
         self.feature_width: int | None = None  # known once the encoder was loaded here
         self._weights_digest: str | None = None
@@ -102,7 +108,8 @@ class VisionModel:
                              hf_processor_mm_kwargs=self.mm_processor_kwargs)
         (item,) = out["mm_kwargs"]["image"]
         (placeholder,) = out["mm_placeholders"]["image"]
-        return PixelInputs(item, placeholder.get_num_embeds())
+        metadata = {name: _METADATA_FROM_IMAGE[name](image) for name in self.metadata_fields if name not in item}
+        return PixelInputs(item, placeholder.get_num_embeds(), metadata)
 
     # --- VisionEncoder ------------------------------------------------------------
     def load_encoder(self) -> None:
@@ -143,7 +150,11 @@ class VisionModel:
 
         arch = self.vllm_config.model_config.architecture
         try:
-            items = self.processor.data_parser.parse_mm_data({"image": self.embedding_input([features])})
+            # Dict input: vLLM's field config decides whether the values are one tensor of all
+            # images' rows (Qwen) or one tensor per image (MiniCPM-V); one image tells which.
+            if self._dict_input:
+                self._batched_values = not self._parses_as_one_image(features)
+            items = self._parse([features])
             out = self.processor(self._image_prompt, items, hf_processor_mm_kwargs={})
             with set_current_vllm_config(self.vllm_config):
                 (_, _, kwargs), = group_and_batch_mm_kwargs([("image", out["mm_kwargs"]["image"][0])],
@@ -171,7 +182,7 @@ class VisionModel:
     def _features(self, embedding: torch.Tensor, pixels: PixelInputs) -> Features:
         tensors = {self.values_field: embedding.detach().to("cpu").contiguous()}
         for name in self.metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
-            tensors[name] = pixels.item[name].data.to("cpu")
+            tensors[name] = pixels.item[name].data.to("cpu") if name in pixels.item else pixels.metadata[name]
         return Features(tensors, {"num_tokens": int(embedding.shape[0])})
 
     def fingerprint(self) -> str:
@@ -204,10 +215,20 @@ class VisionModel:
         """`multi_modal_data["image"]` for these features, in prompt order."""
         if not self._dict_input:
             return [f.tensors[self.values_field] for f in features]
-        data = {self.values_field: torch.cat([f.tensors[self.values_field] for f in features])}
+        values = [f.tensors[self.values_field] for f in features]
+        data = {self.values_field: values if self._batched_values else torch.cat(values)}
         for name in self.metadata_fields:
             data[name] = torch.stack([f.tensors[name] for f in features])
         return data
+
+    def _parses_as_one_image(self, features: Features) -> bool:
+        try:
+            return self._parse([features]).get_count("image", strict=False) == 1
+        except (ValueError, TypeError):
+            return False
+
+    def _parse(self, features: list[Features]):
+        return self.processor.data_parser.parse_mm_data({"image": self.embedding_input(features)})
 
     def feature_problem(self, features: Features) -> str | None:
         """Why `features` cannot be this model's encoder output for one image, or None.
@@ -227,8 +248,7 @@ class VisionModel:
             if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
                 return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
         try:
-            items = self.processor.data_parser.parse_mm_data({"image": self.embedding_input([features])})
-            out = self.processor(self._image_prompt, items, hf_processor_mm_kwargs={})
+            out = self.processor(self._image_prompt, self._parse([features]), hf_processor_mm_kwargs={})
             (placeholder,) = out["mm_placeholders"]["image"]
         except Exception as err:  # vLLM's validation: wrong hidden size, inconsistent grid, ...
             return f"vLLM refuses them as image embeddings: {err}"

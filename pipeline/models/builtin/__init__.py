@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.models.builtin import gemma3, idefics3, internvl, llava, llava_next, mistral3, qwen2_vl, qwen3_vl
+from pipeline.models.builtin import (gemma3, idefics3, internvl, llava, llava_next, minicpmv4_6, mistral3, qwen2_vl,
+                                     qwen3_5, qwen3_vl)
 from pipeline.models.builtin.common import SEED, Spec
 
 
@@ -41,8 +42,10 @@ BUILDERS = {
     "qwen2_vl": Builtin(qwen2_vl.SPECS, qwen2_vl.build),
     "qwen2_5_vl": Builtin(qwen2_vl.SPECS, qwen2_vl.build_2_5),
     "qwen3_vl": Builtin(qwen3_vl.SPECS, qwen3_vl.build),
+    "qwen3_5": Builtin(qwen3_5.SPECS, qwen3_5.build),
     "llava_next": Builtin(llava_next.SPECS, llava_next.build),
     "internvl": Builtin(internvl.SPECS, internvl.build),
+    "minicpmv4_6": Builtin(minicpmv4_6.SPECS, minicpmv4_6.build),
     "gemma3": Builtin(gemma3.SPECS, gemma3.build, served=False),
     "idefics3": Builtin(idefics3.SPECS, idefics3.build, served=False),
     "mistral3": Builtin(mistral3.SPECS, mistral3.build, served=False),
