@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
 from pipeline.media import MediaLimits
+from pipeline.models.source import resolve_model
+from pipeline.vision_model import VisionModel
 
 # vLLM engine arguments Iris relies on; users may not turn them off.
 REQUIRED_ENGINE_ARGS = {"enable_mm_embeds": True, "enable_prefix_caching": True}
@@ -116,3 +118,9 @@ class IrisConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    def vision_model(self) -> VisionModel:
+        """vLLM's image path for this model, built alike by every stage so that they agree
+        (processor settings, dtype, fingerprint)."""
+        return VisionModel(resolve_model(self.model), self.dtype, self.max_images_per_prompt,
+                           self.engine_args.get("mm_processor_kwargs"))

@@ -31,12 +31,10 @@ from deployments.metrics import CacheMetrics
 from pipeline.cpu_binding import omp_threads_bind
 from pipeline.errors import IrisError, bad_request
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
-from pipeline.models.source import resolve_model
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.stage_trace import mark
 from pipeline.tenant import cache_salt
 from pipeline.tokenize import TokenizeJob
-from pipeline.vision_model import VisionModel
 from pipeline.vllm_sampling import max_tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -51,11 +49,11 @@ class LLMDecode:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _bind_engine_cores()
-        checkpoint = resolve_model(config.model)
-        self.processor = AutoProcessor.from_pretrained(checkpoint)
         # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
         # the encoder's fingerprint (computed before the engine takes the device's memory).
-        self.vision = VisionModel(checkpoint, config.dtype, config.max_images_per_prompt)
+        self.vision = config.vision_model()
+        checkpoint = self.vision.checkpoint
+        self.processor = AutoProcessor.from_pretrained(checkpoint)
         # Keys of other weights (a rolling update) are refused.
         self.fingerprint = self.vision.expected_fingerprint()
         args = AsyncEngineArgs(

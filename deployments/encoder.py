@@ -24,10 +24,9 @@ from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
 from pipeline.errors import IrisError
-from pipeline.models.source import resolve_model
 from pipeline.stage_io import EncodedImage
 from pipeline.stage_trace import mark
-from pipeline.vision_model import PixelInputs, VisionModel
+from pipeline.vision_model import PixelInputs
 
 
 GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
@@ -45,7 +44,7 @@ class VisionEncoder:
         on_gpu = torch.cuda.is_available()
         if not on_gpu and config.encoder_cpu_threads:
             torch.set_num_threads(config.encoder_cpu_threads)
-        self.vision = VisionModel(resolve_model(config.model), config.dtype, config.max_images_per_prompt)
+        self.vision = config.vision_model()
         self.vision.load_encoder()
         self.fingerprint = self.vision.fingerprint()
         # Values read from Redis must carry our fingerprint and look like our features.

@@ -17,17 +17,16 @@ from deployments.config import IrisConfig
 from deployments.metrics import latency_histogram
 from pipeline.errors import IrisError, bad_request
 from pipeline.media import decode_image
-from pipeline.models.source import resolve_model
 from pipeline.stage_io import ImageJob
 from pipeline.stage_trace import mark
-from pipeline.vision_model import PixelInputs, VisionModel
+from pipeline.vision_model import PixelInputs
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class Preprocess:
     def __init__(self, config: IrisConfig):
         # vLLM's processor only: no weights here.
-        self.vision = VisionModel(resolve_model(config.model), config.dtype, config.max_images_per_prompt)
+        self.vision = config.vision_model()
         self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
         self.limits = config.media
         self.seconds = latency_histogram("iris_preprocess_seconds", "Seconds to decode and preprocess one image")

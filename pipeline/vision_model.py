@@ -104,8 +104,15 @@ class VisionModel:
     # --- Preprocess (CPU) -------------------------------------------------------
     def preprocess(self, image: Image.Image) -> PixelInputs:
         """vLLM's processor on one RGB image. A ValueError means the model cannot take it."""
-        out = self.processor(self._image_prompt, self.processor.data_parser.parse_mm_data({"image": [image]}),
-                             hf_processor_mm_kwargs=self.mm_processor_kwargs)
+        try:
+            out = self.processor(self._image_prompt, self.processor.data_parser.parse_mm_data({"image": [image]}),
+                                 hf_processor_mm_kwargs=self.mm_processor_kwargs)
+        except ValueError as err:
+            # vLLM wraps the processor's reason in "Failed to apply <processor> on data=...": the reason.
+            cause: BaseException = err
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            raise ValueError(str(cause)) from err
         (item,) = out["mm_kwargs"]["image"]
         (placeholder,) = out["mm_placeholders"]["image"]
         metadata = {name: _METADATA_FROM_IMAGE[name](image) for name in self.metadata_fields if name not in item}

@@ -39,7 +39,7 @@ def iris_base(serve_instance, checkpoint, vllm_base):  # after vLLM: one engine 
 
     namespace = f"iris-parity-{uuid.uuid4().hex[:12]}"
     serve.run(build_app({"model": checkpoint, "served_model_name": NAME, "max_images_per_prompt": 2,
-                         "dtype": "float32", "engine_args": {"max_model_len": 2048},
+                         "dtype": "float32", "engine_args": {"max_model_len": 2048, "enforce_eager": True},
                          "cache": {"namespace": namespace, "ttl_s": 600}}),
               name="iris-parity", route_prefix="/parity")
     yield f"{serve_instance}/parity"

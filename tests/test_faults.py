@@ -50,7 +50,7 @@ def fault_app(serve_instance, tiny_checkpoint, redis_server):
     args = {
         "model": tiny_checkpoint("llava"), "served_model_name": MODEL,
         "request_timeout_s": TIMEOUT_S, "max_tokens_limit": LIMIT,
-        "engine_args": {"max_model_len": 4096},
+        "engine_args": {"max_model_len": 4096, "enforce_eager": True},  # no torch.compile: a faster start
         # Reconnect quickly, so recovery is seen within the test's bounds.
         "cache": {"redis_url": redis_server.url, "namespace": "iris-faults",
                   "backoff_initial_s": 0.05, "backoff_max_s": 0.5},

@@ -31,7 +31,7 @@ def app(request, serve_instance, tiny_checkpoint):
         "model": tiny_checkpoint(family),
         "served_model_name": f"tiny-{family}",
         "max_images_per_prompt": 2,
-        "engine_args": {"max_model_len": 2048},
+        "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
         "cache": {"namespace": namespace, "ttl_s": 3600},
         "media": {"max_image_bytes": 200_000},
         "tenant_header": "X-Iris-Tenant",  # the tests play the trusted gateway

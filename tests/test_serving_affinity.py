@@ -33,7 +33,7 @@ def affinity_app(serve_instance, tiny_checkpoint):
     app = copy.deepcopy(config["applications"][0])
     namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
     app.update(name=APP, route_prefix="/affinity")
-    app["args"].update(model=tiny_checkpoint("llava"), engine_args={"max_model_len": 2048},
+    app["args"].update(model=tiny_checkpoint("llava"), engine_args={"max_model_len": 2048, "enforce_eager": True},
                        cache={**app["args"]["cache"], "namespace": namespace, "ttl_s": 3600})
     decode = next(d for d in app["deployments"] if d["name"] == "LLMDecode")
     assert decode["request_router_config"]["request_router_class"].endswith(":ImageAffinityRouter")

@@ -19,7 +19,7 @@ def app_without_redis(serve_instance, tiny_checkpoint):
     dead_port = free_port()  # nobody listens there
     args = {
         "model": tiny_checkpoint("llava"),
-        "engine_args": {"max_model_len": 2048},
+        "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
         "cache": {"redis_url": f"redis://127.0.0.1:{dead_port}/0", "namespace": "iris-test-noredis"},
     }
     serve.run(build_app(args), name="iris-noredis", route_prefix="/noredis")
