@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, save, token_ids
-from pipeline.models.builtin.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIAL
+from pipeline.models.builtin.qwen2_vl import QWEN2_VL_SPECIAL
+from pipeline.models.builtin.qwen3_vl import qwen3_vl_processor, vision_config
 
 SPECS = {
     # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
@@ -22,8 +23,7 @@ SPECS = {
 
 
 def build(spec: Spec, out: Path) -> None:
-    from transformers import (Qwen2VLImageProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = token_ids(tokenizer, QWEN2_VL_SPECIAL)
@@ -44,13 +44,7 @@ def build(spec: Spec, out: Path) -> None:
         initializer_range=INIT_RANGE, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
-    grid = spec.image_size // spec.patch_size  # learned position grid, interpolated to each image
-    vision = dict(
-        depth=spec.vision_layers, hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
-        num_heads=spec.vision_heads, hidden_act="gelu_pytorch_tanh", in_channels=3,
-        patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2,
-        out_hidden_size=spec.text_hidden, num_position_embeddings=grid * grid, initializer_range=INIT_RANGE,
-    )
+    vision = vision_config(spec, deepstack=False)
     config = Qwen3_5Config(
         text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -60,19 +54,6 @@ def build(spec: Spec, out: Path) -> None:
     config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     config.initializer_range = INIT_RANGE
-    unit = spec.patch_size * 2  # one merged visual token covers unit×unit pixels
-    mean_std = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=unit * unit * 4, max_pixels=spec.image_size * spec.image_size,
-        patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2, **mean_std,
-    )
-    video_processor = Qwen3VLVideoProcessor(
-        size={"shortest_edge": unit * unit * 4, "longest_edge": spec.image_size * spec.image_size},
-        patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2, cap_pixels_per_frame=True, **mean_std,
-    )
-    processor = Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-        chat_template=QWEN2_VL_CHAT_TEMPLATE,
-    )
+    processor = qwen3_vl_processor(spec, tokenizer)
     model = Qwen3_5ForConditionalGeneration(config)
     save(model, processor, tokenizer, spec, out)

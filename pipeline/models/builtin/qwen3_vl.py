@@ -15,8 +15,7 @@ SPECS = {
 
 
 def build(spec: Spec, out: Path) -> None:
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL}
@@ -33,14 +32,7 @@ def build(spec: Spec, out: Path) -> None:
                          "mrope_section": mrope_section, "mrope_interleaved": True},
         initializer_range=INIT_RANGE, pad_token_id=ids["<|endoftext|>"],
     )
-    grid = spec.image_size // spec.patch_size  # learned position grid, interpolated to each image
-    vision = dict(
-        depth=spec.vision_layers, hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
-        num_heads=spec.vision_heads, hidden_act="gelu_pytorch_tanh", in_channels=3,
-        patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2,
-        out_hidden_size=spec.text_hidden, num_position_embeddings=grid * grid,
-        deepstack_visual_indexes=list(range(spec.vision_layers)), initializer_range=INIT_RANGE,
-    )
+    vision = vision_config(spec, deepstack=True)
     config = Qwen3VLConfig(
         text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -49,6 +41,28 @@ def build(spec: Spec, out: Path) -> None:
         tie_word_embeddings=False,
     )
     config.initializer_range = INIT_RANGE
+    processor = qwen3_vl_processor(spec, tokenizer)
+    model = Qwen3VLForConditionalGeneration(config)
+    save(model, processor, tokenizer, spec, out)
+
+
+def vision_config(spec: Spec, deepstack: bool) -> dict:
+    """The Qwen3-VL ViT (also Qwen3.5's, without DeepStack taps)."""
+    grid = spec.image_size // spec.patch_size  # learned position grid, interpolated to each image
+    taps = {"deepstack_visual_indexes": list(range(spec.vision_layers))} if deepstack else {}
+    return dict(
+        depth=spec.vision_layers, hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
+        num_heads=spec.vision_heads, hidden_act="gelu_pytorch_tanh", in_channels=3,
+        patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2,
+        out_hidden_size=spec.text_hidden, num_position_embeddings=grid * grid, **taps,
+        initializer_range=INIT_RANGE,
+    )
+
+
+def qwen3_vl_processor(spec: Spec, tokenizer):
+    """Qwen3-VL's processor (also Qwen3.5's): images up to image_size² pixels, mean and std 0.5."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
     unit = spec.patch_size * 2  # one merged visual token covers unit×unit pixels
     mean_std = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     image_processor = Qwen2VLImageProcessor(
@@ -59,9 +73,5 @@ def build(spec: Spec, out: Path) -> None:
         size={"shortest_edge": unit * unit * 4, "longest_edge": spec.image_size * spec.image_size},
         patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2, cap_pixels_per_frame=True, **mean_std,
     )
-    processor = Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-        chat_template=QWEN2_VL_CHAT_TEMPLATE,
-    )
-    model = Qwen3VLForConditionalGeneration(config)
-    save(model, processor, tokenizer, spec, out)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=QWEN2_VL_CHAT_TEMPLATE)
