@@ -19,7 +19,9 @@ embeddings for needs no Iris code.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,7 @@ DEFAULT_VALUES_FIELD = "image_embeds"  # the name vLLM's models give precomputed
 # original image's [width, height].
 _METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, image.height])}
 
-# vLLM's torch.distributed state is per process: initialise it once (under a lock:
-# Ray replicas may construct two models from two threads).
+# vLLM's torch.distributed state is per process: one model is built at a time.
 _DISTRIBUTED_LOCK = threading.Lock()
 
 
@@ -135,8 +136,7 @@ class VisionModel:
             self._weights_digest = _weights_digest(model)
 
         loader.load_weights = load_and_hash
-        with set_current_vllm_config(self.vllm_config):
-            _init_vllm_distributed()
+        with set_current_vllm_config(self.vllm_config), _process_group_of_one():
             self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.vllm_config.model_config)
         # One small image warms the tower up and tells the width of its features, which
         # vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's carry DeepStack taps).
@@ -273,17 +273,20 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return content_hash(b"\0".join(parts))
 
 
-def _init_vllm_distributed() -> None:
-    """vLLM's layers ask for their tensor-parallel group even in one process: a group of one."""
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
+@contextlib.contextmanager
+def _process_group_of_one():
+    """vLLM's layers ask for their tensor-parallel group while they are built: a group of one.
+    It goes again once the model is built (a one-process model never uses it), since gloo's
+    39 threads would otherwise wake the replica ~1.5% of a core, idle, for good."""
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  ensure_model_parallel_initialized, init_distributed_environment)
 
-    with _DISTRIBUTED_LOCK:
-        if model_parallel_is_initialized():
-            return
-        import tempfile
-
-        rendezvous = tempfile.NamedTemporaryFile(prefix="iris-vllm-dist-", delete=False).name
+    with _DISTRIBUTED_LOCK, tempfile.TemporaryDirectory(prefix="iris-vllm-dist-") as rendezvous:
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{rendezvous}", backend="gloo")
+                                     distributed_init_method=f"file://{rendezvous}/store", backend="gloo")
         ensure_model_parallel_initialized(1, 1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()

@@ -76,13 +76,15 @@ def test_decoder_and_encoder_agree_on_the_fingerprint(encoded, tiny_checkpoint):
     assert VisionModel(vision.checkpoint, other).expected_fingerprint() != vision.fingerprint()
 
 
-def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint):
-    """A tower with the same shapes but other weights (a fine-tune) keys its images apart."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint, dtype):
+    """A tower with the same shapes but other weights (a fine-tune) keys its images apart, also in
+    bfloat16, where vLLM repacks the CPU linear weights after loading and leaves empty parameters."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    original = VisionModel(tiny_checkpoint("llava"))
+    original = VisionModel(tiny_checkpoint("llava"), dtype)
     original.load_encoder()
     copy = tmp_path / "tuned"
     shutil.copytree(tiny_checkpoint("llava"), copy)
@@ -90,7 +92,7 @@ def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint):
     name = next(n for n in weights if "vision_tower" in n and "mlp.fc1.weight" in n)
     weights[name] = weights[name] + 1e-3
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    assert VisionModel(str(copy)).expected_fingerprint() != original.fingerprint()
+    assert VisionModel(str(copy), dtype).expected_fingerprint() != original.fingerprint()
 
 
 @pytest.mark.parametrize("family", UNSERVED)
