@@ -221,7 +221,9 @@ class VisionModel:
     def embedding_input(self, features: list[Features]) -> Any:
         """`multi_modal_data["image"]` for these features, in prompt order."""
         if not self._dict_input:
-            return [f.tensors[self.values_field] for f in features]
+            values = [f.tensors[self.values_field] for f in features]
+            # One [images, tokens, hidden] tensor where the images agree in size (LLaVA-1.5: always).
+            return torch.stack(values) if len({v.shape for v in values}) == 1 else values
         values = [f.tensors[self.values_field] for f in features]
         data = {self.values_field: values if self._batched_values else torch.cat(values)}
         for name in self.metadata_fields:
