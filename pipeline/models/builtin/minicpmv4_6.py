@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save, token_ids
+from pipeline.models.builtin.qwen3_5 import hybrid_text_config
 
 SPECS = {
     # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
@@ -52,23 +53,7 @@ def build(spec: Spec, out: Path) -> None:
     tokenizer = byte_level_tokenizer(MINICPMV4_6_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>",
                                      extra_special_tokens=MINICPMV4_6_TOKEN_ATTRS)
     ids = token_ids(tokenizer, MINICPMV4_6_SPECIAL)
-    head_dim = spec.text_hidden // spec.text_heads
-    half = head_dim // 8  # half the rotary dims (partial_rotary_factor 0.25)
-    text = dict(
-        model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=spec.text_hidden,
-        intermediate_size=4 * spec.text_hidden, num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_kv_heads, head_dim=head_dim,
-        # full attention first (the hub's puts it last): a random Gated DeltaNet layer decays the
-        # early image tokens away before the last position, so greedy output ignored the image
-        layer_types=["full_attention"] + ["linear_attention"] * (spec.text_layers - 1),
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,  # CPU GDN kernel: 128
-        linear_num_key_heads=1, linear_num_value_heads=2, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
-                         "mrope_interleaved": True},
-        initializer_range=INIT_RANGE, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-    )
+    text = {"model_type": "qwen3_5_text", **hybrid_text_config(spec, tokenizer)}
     vision = dict(
         hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
         num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,

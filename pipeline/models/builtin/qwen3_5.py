@@ -27,9 +27,29 @@ def build(spec: Spec, out: Path) -> None:
 
     tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = token_ids(tokenizer, QWEN2_VL_SPECIAL)
+    text = hybrid_text_config(spec, tokenizer)
+    vision = vision_config(spec, deepstack=False)
+    config = Qwen3_5Config(
+        text_config=text, vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
+    config.pad_token_id = ids["<|endoftext|>"]
+    config.initializer_range = INIT_RANGE
+    processor = qwen3_vl_processor(spec, tokenizer)
+    model = Qwen3_5ForConditionalGeneration(config)
+    save(model, processor, tokenizer, spec, out)
+
+
+def hybrid_text_config(spec: Spec, tokenizer) -> dict:
+    """Qwen3.5's hybrid language model (also MiniCPM-V 4.6's): Gated DeltaNet linear-attention
+    layers plus gated full attention, interleaved multimodal RoPE over a quarter of the head."""
+    ids = token_ids(tokenizer, ["<|im_end|>", "<|endoftext|>"])
     head_dim = spec.text_hidden // spec.text_heads
     half = head_dim // 8  # half the rotary dims (partial_rotary_factor 0.25)
-    text = dict(
+    return dict(
         vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads, head_dim=head_dim,
@@ -44,16 +64,3 @@ def build(spec: Spec, out: Path) -> None:
         initializer_range=INIT_RANGE, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
-    vision = vision_config(spec, deepstack=False)
-    config = Qwen3_5Config(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
-    config.pad_token_id = ids["<|endoftext|>"]
-    config.initializer_range = INIT_RANGE
-    processor = qwen3_vl_processor(spec, tokenizer)
-    model = Qwen3_5ForConditionalGeneration(config)
-    save(model, processor, tokenizer, spec, out)
