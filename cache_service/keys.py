@@ -7,6 +7,9 @@ old keys then simply stop being read and expire by TTL):
     <namespace>:v1:<fingerprint>:t:<tenant>:<hash>     content key private to a tenant
     <namespace>:v1:<fingerprint>:u:<tenant>:<uuid>     client-UUID key
 
+Videos have keys of their own kinds, `vc`, `vt` and `vu` for `c`, `t` and `u`: vLLM's
+`multi_modal_uuids` are per modality, so one uuid may name an image and a video.
+
 - namespace: deployment-wide prefix, default "iris" (tests use one per run).
   Letters, digits, '_', '-', '.' only, so it can never contain a ':'.
 - fingerprint: short lowercase hex naming the model (weights + preprocessing),
@@ -59,24 +62,34 @@ def content_hash(data: bytes) -> str:
 
 
 def content_key(
-    fingerprint: str, data: bytes, namespace: str = DEFAULT_NAMESPACE, tenant: str | None = None
+    fingerprint: str, data: bytes, namespace: str = DEFAULT_NAMESPACE, tenant: str | None = None,
+    modality: str = "image",
 ) -> str:
-    """Key of an image by its content: shared across tenants when `tenant` is None,
+    """Key of an image (or video) by its content: shared across tenants when `tenant` is None,
     else private to that tenant."""
     if tenant is None:
-        return f"{_prefix(namespace, fingerprint)}:c:{content_hash(data)}"
-    return f"{_prefix(namespace, fingerprint)}:t:{_escape(_tenant(tenant))}:{content_hash(data)}"
+        return f"{_prefix(namespace, fingerprint)}:{_kind('c', modality)}:{content_hash(data)}"
+    return f"{_prefix(namespace, fingerprint)}:{_kind('t', modality)}:{_escape(_tenant(tenant))}:{content_hash(data)}"
 
 
 def uuid_key(
-    fingerprint: str, tenant: str | None, uuid: str, namespace: str = DEFAULT_NAMESPACE
+    fingerprint: str, tenant: str | None, uuid: str, namespace: str = DEFAULT_NAMESPACE, modality: str = "image"
 ) -> str:
-    """Key of an image by a client-supplied id, private to the tenant."""
+    """Key of an image (or video) by a client-supplied id, private to the tenant."""
     if not isinstance(uuid, str) or not uuid:
         raise ValueError("uuid must be a non-empty string")
     if len(uuid) > MAX_UUID_CHARS:
         raise ValueError(f"uuid longer than {MAX_UUID_CHARS} characters")
-    return f"{_prefix(namespace, fingerprint)}:u:{_escape(_tenant(tenant))}:{_escape(uuid)}"
+    return f"{_prefix(namespace, fingerprint)}:{_kind('u', modality)}:{_escape(_tenant(tenant))}:{_escape(uuid)}"
+
+
+_MODALITY_KINDS = {"image": "", "video": "v"}
+
+
+def _kind(kind: str, modality: str) -> str:
+    if modality not in _MODALITY_KINDS:
+        raise ValueError(f"no keys for modality {modality!r}")
+    return _MODALITY_KINDS[modality] + kind
 
 
 def image_keys(

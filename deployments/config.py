@@ -31,9 +31,15 @@ class IrisConfig(BaseModel):
         None, description="Name clients pass as `model` and /v1/models lists; defaults to `model`."
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Encoder-feature cache (L1 + Redis).")
-    media: MediaLimits = Field(default_factory=MediaLimits, description="Image download and decoding limits.")
+    media: MediaLimits = Field(default_factory=MediaLimits, description="Image and video download and decoding limits.")
     max_images_per_prompt: int = Field(
         4, ge=1, le=64, description="Images accepted in one request (like vLLM's --limit-mm-per-prompt)."
+    )
+    max_videos_per_prompt: int = Field(
+        1, ge=0, le=16,
+        description="Videos accepted in one request, for models that take video (like vLLM's "
+        "--limit-mm-per-prompt); 0 refuses video. Frame sampling: engine_args.media_io_kwargs "
+        "(vLLM's --media-io-kwargs, e.g. {video: {num_frames: 16}}); size limits: media.max_video_*.",
     )
     encoder_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
         "auto",
@@ -120,7 +126,8 @@ class IrisConfig(BaseModel):
         return self.served_model_name or self.model
 
     def vision_model(self) -> VisionModel:
-        """vLLM's image path for this model, built alike by every stage so that they agree
+        """vLLM's image and video path for this model, built alike by every stage so that they agree
         (processor settings, dtype, fingerprint)."""
-        return VisionModel(resolve_model(self.model), self.dtype, self.max_images_per_prompt,
-                           self.engine_args.get("mm_processor_kwargs"))
+        return VisionModel(resolve_model(self.model), self.dtype,
+                           {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
+                           self.engine_args.get("mm_processor_kwargs"), self.engine_args.get("media_io_kwargs"))

@@ -1,9 +1,9 @@
-"""LLMDecode: vLLM AsyncLLM fed image features as embeddings.
+"""LLMDecode: vLLM AsyncLLM fed image and video features as embeddings.
 
 Features computed for this request arrive as object-store references (kept in
-this replica's L1 for the next request); other images are read from the cache.
+this replica's L1 for the next request); others are read from the cache.
 `multi_modal_uuids` are set to the cache keys, so vLLM's prefix cache knows an
-image it has seen before, whichever replica computed the features.
+image or clip it has seen before, whichever replica computed the features.
 
 Token deltas are merged into one chunk per `stream_interval_s` (the first is
 sent at once): one Ray message per token costs more than the token on a busy node.
@@ -58,7 +58,8 @@ class LLMDecode:
         self.fingerprint = self.vision.expected_fingerprint()
         args = AsyncEngineArgs(
             model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
-            limit_mm_per_prompt={"image": config.max_images_per_prompt},
+            limit_mm_per_prompt={m: self.vision.vllm_config.model_config.multimodal_config.get_limit_per_prompt(m)
+                                 for m in self.vision.modalities},
             **{**config.engine_args, **REQUIRED_ENGINE_ARGS},
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -91,7 +92,8 @@ class LLMDecode:
         from vllm.sampling_params import RequestOutputKind
 
         mark("decode.start", request.request_id)
-        keys = request.image_keys
+        keys = request.media_keys
+        modalities = request.modalities or ["image"] * len(keys)
         if any(fingerprint_of(k) != self.fingerprint for k in keys):
             # Keyed for other weights by an ingress that has not seen the update yet.
             yield DecodeChunk(error={"message": "the model was updated while this request was in flight; retry",
@@ -117,7 +119,9 @@ class LLMDecode:
             found = dict(zip(lookup, await self.cache.get_many(lookup)))
             self.cache_metrics.export()
             features = [f if f is not None else found[k] for k, f in zip(keys, features)]
-            missing = [k for k, f in zip(keys, features) if f is None]
+            # A stored value of another modality than its key's (forged) counts as absent.
+            missing = [k for k, f, m in zip(keys, features, modalities)
+                       if f is None or f.meta.get("modality", "image") != m]
             if missing:
                 yield DecodeChunk(missing_keys=missing)
                 return
@@ -134,9 +138,11 @@ class LLMDecode:
             return
         # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
         engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
-        if keys:
-            engine_prompt["multi_modal_data"] = {"image": self.vision.embedding_input(features)}
-            engine_prompt["multi_modal_uuids"] = {"image": list(keys)}
+        for modality in dict.fromkeys(modalities):  # vLLM counts each modality's items apart, in prompt order
+            mine = [i for i, m in enumerate(modalities) if m == modality]
+            engine_prompt.setdefault("multi_modal_data", {})[modality] = self.vision.embedding_input(
+                [features[i] for i in mine], modality)
+            engine_prompt.setdefault("multi_modal_uuids", {})[modality] = [keys[i] for i in mine]
         try:  # as vLLM's serving_chat: the max_tokens default and generation_config come in here
             max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params,
                                         override_max_tokens=self.max_tokens_limit)  # also caps the default

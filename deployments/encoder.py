@@ -24,7 +24,7 @@ from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, latency_histogram
 from pipeline.errors import IrisError
-from pipeline.stage_io import EncodedImage
+from pipeline.stage_io import EncodedMedia
 from pipeline.stage_trace import mark
 from pipeline.vision_model import PixelInputs
 
@@ -69,7 +69,11 @@ class VisionEncoder:
     def get_fingerprint(self) -> str:
         return self.fingerprint
 
-    async def encode(self, key: str, pixels: PixelInputs | IrisError) -> EncodedImage | IrisError:
+    def get_modalities(self) -> list[str]:
+        """What this model serves: "image", and "video" where vLLM takes its video features back."""
+        return list(self.vision.modalities)
+
+    async def encode(self, key: str, pixels: PixelInputs | IrisError) -> EncodedMedia | IrisError:
         """Features for `key` as an object-store reference. `pixels` is Preprocess's result
         (Serve resolves the pending response the ingress passed); its client error passes through."""
         mark("encoder.start", key)
@@ -81,7 +85,7 @@ class VisionEncoder:
         finally:
             self.encoding -= 1
 
-    async def _encode(self, key: str, pixels: PixelInputs) -> EncodedImage | IrisError:
+    async def _encode(self, key: str, pixels: PixelInputs) -> EncodedMedia | IrisError:
         if fingerprint_of(key) != self.fingerprint:
             # A rolling update: the ingress keyed this image for other weights. Never store
             # our features under another model's key; the ingress refetches the fingerprint.
@@ -100,7 +104,7 @@ class VisionEncoder:
         (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()
         features = result.features.cpu()
-        encoded = EncodedImage(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
+        encoded = EncodedMedia(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
         mark("encoder.end", key)
         return encoded
 

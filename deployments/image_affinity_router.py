@@ -23,13 +23,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pipeline.affinity import ReplicaLoad, affinity_key, rank_for_key, two_choices
 
 
-def request_image_keys(pending_request: PendingRequest | None) -> list[str]:
+def request_media_keys(pending_request: PendingRequest | None) -> list[str]:
     """The image keys of a `decode.generate.remote(DecodeRequest)` call, read by
     attribute so that the rest of DecodeRequest may change freely."""
     if pending_request is None:
         return []
     for arg in [*(pending_request.args or ()), *(pending_request.kwargs or {}).values()]:
-        keys = arg.get("image_keys") if isinstance(arg, dict) else getattr(arg, "image_keys", None)
+        keys = arg.get("media_keys") if isinstance(arg, dict) else getattr(arg, "media_keys", None)
         if isinstance(keys, (list, tuple)):
             return [k for k in keys if isinstance(k, str)]
     return []
@@ -51,7 +51,7 @@ class ImageAffinityRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        key = affinity_key(request_image_keys(pending_request))
+        key = affinity_key(request_media_keys(pending_request))
         if key is None:
             return [[by_id[rid] for rid in two_choices(list(by_id))]] if by_id else []
         loads = [ReplicaLoad(rid, self._in_flight(r), r.max_ongoing_requests) for rid, r in by_id.items()]

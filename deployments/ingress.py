@@ -1,11 +1,11 @@
 """Ingress: the OpenAI-compatible HTTP API.
 
-Per request: parse and validate, fetch image bytes, compute cache keys, ask the
-cache which are present, send only the misses to Preprocess -> VisionEncoder,
-then stream the answer from LLMDecode. Upload-free images (uuid only) that are
+Per request: parse and validate, fetch image and video bytes, compute cache keys,
+ask the cache which are present, send only the misses to Preprocess -> VisionEncoder,
+then stream the answer from LLMDecode. Upload-free items (uuid only) that are
 not cached end the request with 409 `mm_cache_miss` before any work is done.
 
-Single-flight: concurrent requests with the same new image share one
+Single-flight: concurrent requests with the same new image or clip share one
 Preprocess + VisionEncoder run. Keys this replica saw computed or present are
 remembered (`_known`), so a repeated image costs no presence check; should one
 be gone by the time LLMDecode reads it, the decode says so and the ingress
@@ -39,8 +39,8 @@ from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found, server_error
 from pipeline.json_body import parse_json_body
 from pipeline.logprobs import extend_completion_logprobs
-from pipeline.media import fetch_client, load_image_bytes
-from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedImage, ImageJob
+from pipeline.media import fetch_client, load_media_bytes
+from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia, MediaJob
 from pipeline.stage_trace import mark
 from pipeline.tenant import tenant_of
 from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
@@ -81,18 +81,22 @@ HASH_IN_THREAD_BYTES = 256 * 1024
 
 
 @dataclass
-class RequestImages:
-    keys: list[str]  # cache key per image, in request order
-    datas: list[bytes | None]  # uploaded bytes per image; None when sent by uuid only
+class RequestMedia:
+    keys: list[str]  # cache key per image or video, in request order
+    datas: list[bytes | None]  # uploaded bytes per item; None when sent by uuid only
+    names: list[str] = field(default_factory=list)  # per item, for errors: image[0], video[0], ...
+    modalities: list[str] = field(default_factory=list)  # per item
     delivered: dict = field(default_factory=dict)  # key -> ObjectRef of features computed for this request
-    cached: int = 0  # distinct images found in the cache (or computed by a concurrent request)
-    computed: int = 0  # distinct images sent to Preprocess + VisionEncoder by this request
+    cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
+    computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
 
 
-def _cache_miss(indexes: list[int]) -> IrisError:
+def _cache_miss(indexes: list[int], names: list[str]) -> IrisError:
+    """`indexes`: positions among the request's images and videos; `names` say which."""
+    what = "image(s)" if all(n.startswith("image[") for n in names) else f"item(s) {names} at"
     return IrisError(
-        f"image(s) {indexes} were sent by uuid only and are not in the feature cache; "
-        "send the image bytes with the same uuid again",
+        f"{what} {indexes} were sent by uuid only and are not in the feature cache; "
+        "send the bytes with the same uuid again",
         status_code=409, param="messages", code="mm_cache_miss", extra={"missing": indexes})
 
 
@@ -171,15 +175,17 @@ class Ingress:
         self.cache_metrics = CacheMetrics(self.cache)
         self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
-        self._inflight: dict[str, asyncio.Task[EncodedImage]] = {}  # key -> its running encode
+        self._modalities: list[str] = []  # what the model serves, with the fingerprint
+        self._inflight: dict[str, asyncio.Task[EncodedMedia]] = {}  # key -> its running encode
         self._waiters: Counter[str] = Counter()  # key -> requests waiting for its running encode
         self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
-        # Room for every image as base64 (4/3 of its bytes) plus 1 MiB of text.
-        self.max_body_bytes = config.max_images_per_prompt * config.media.max_image_bytes * 4 // 3 + (1 << 20)
+        # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
+        self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
+                               + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3 + (1 << 20)
         self.counts: Counter[str] = Counter()
         self.requests = metrics.Counter("iris_requests", description="Chat requests by outcome",
                                         tag_keys=("outcome",))
-        self.images = metrics.Counter("iris_images", description="Images by how their features were obtained "
+        self.images = metrics.Counter("iris_images", description="Images and videos by how their features were obtained "
                                       "(cached: feature-cache hit; computed: preprocess + encoder ran)",
                                       tag_keys=("source",))
         self.ttft = latency_histogram("iris_ttft_seconds", "Seconds from request arrival to the first token")
@@ -215,20 +221,20 @@ class Ingress:
                 request_id = f"chatcmpl-{uuid.uuid4().hex}"
                 mark("ingress.received", request_id)
                 body = await _json_body(request, self.max_body_bytes)
-                chat = parse_chat_request(body, self.config.max_images_per_prompt)
+                chat = parse_chat_request(body, self.config.max_images_per_prompt, self.config.max_videos_per_prompt)
                 mark("ingress.parsed", request_id)
                 check_max_tokens(chat.sampling, self.config.max_tokens_limit)
                 self._check_model(chat.model)
                 tenant = tenant_of(request.headers, self.config.tenant_header)
-                images = await self._features(chat, tenant)
+                media = await self._features(chat, tenant)
                 mark("ingress.features_ready", request_id)
-                chunks = await self._start_decode(chat, images, request_id, start, tenant)
+                chunks = await self._start_decode(chat, media, request_id, start, tenant)
                 mark("ingress.first_token", request_id)
         except IrisError as err:
             return self._error(err)
         except Exception as err:  # past the deadline (504), a dead replica (503), a bug (500)
             return self._error(self._failure(err, "chat completion failed"))
-        headers = {"x-iris-images": f"cached={images.cached},computed={images.computed}"}
+        headers = {"x-iris-images": f"cached={media.cached},computed={media.computed}"}
         chunks = _until(deadline, chunks)
         if chat.stream:
             return StreamingResponse(self._sse(self._stream(chat, request_id, chunks), chunks),
@@ -303,57 +309,62 @@ class Ingress:
             raise not_found(f"The model `{name}` does not exist; this server serves "
                             f"`{self.config.model_name}`.", param="model", code="model_not_found")
 
-    # --- images ---------------------------------------------------------------
+    # --- images and videos -------------------------------------------------------
     async def _get_fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = await self.encoder.get_fingerprint.remote()
+            self._fingerprint, self._modalities = await asyncio.gather(
+                self.encoder.get_fingerprint.remote(), self.encoder.get_modalities.remote())
         return self._fingerprint
 
-    async def _features(self, chat: ParsedChat, tenant: str) -> RequestImages:
-        """Keys of the request's images; runs Preprocess + VisionEncoder for the misses only."""
-        if not chat.images:
-            return RequestImages([], [])
+    async def _features(self, chat: ParsedChat, tenant: str) -> RequestMedia:
+        """Keys of the request's images and videos; runs Preprocess + VisionEncoder for the misses only."""
+        if not chat.media:
+            return RequestMedia([], [])
         fingerprint = await self._get_fingerprint()
+        for item in chat.media:
+            if item.modality not in self._modalities:
+                raise bad_request(f"this model takes no {item.modality} input (it takes "
+                                  f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
         datas = list(await asyncio.gather(*(
-            load_image_bytes(img.url, self.config.media, self.http, param=f"image[{img.index}]")
-            if img.url is not None else _none() for img in chat.images)))
-        keys = [await self._key(fingerprint, tenant, img, data) for img, data in zip(chat.images, datas)]
-        images = RequestImages(keys, datas)
+            load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
+            if item.url is not None else _none() for item in chat.media)))
+        keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
+        media = RequestMedia(keys, datas, [item.name for item in chat.media], [item.modality for item in chat.media])
         unique = list(dict.fromkeys(keys))
         unknown = [k for k in unique if k not in self._known and k not in self._inflight]
         present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
         mark("ingress.looked_up")
         self.cache_metrics.export()
-        missing = [img.index for img, key in zip(chat.images, keys)
-                   if img.url is None and key in present and not present[key]]
+        missing = [item for item, key in zip(chat.media, keys)
+                   if item.url is None and key in present and not present[key]]
         if missing:
-            raise _cache_miss(missing)
+            raise _cache_miss([item.index for item in missing], [item.name for item in missing])
         for key in unknown:
             if present[key]:
                 self._remember(key)
         to_compute = [k for k in unknown if not present[k]]
-        await self._encode(images, to_compute, joined=[k for k in unique if k in self._inflight
+        await self._encode(media, to_compute, joined=[k for k in unique if k in self._inflight
                                                        and k not in to_compute])
-        images.cached = len(unique) - images.computed
-        for source, n in (("cached", images.cached), ("computed", images.computed)):
+        media.cached = len(unique) - media.computed
+        for source, n in (("cached", media.cached), ("computed", media.computed)):
             if n:
                 self.images.inc(n, tags={"source": source})
                 self.counts[f"images_{source}"] += n
-        return images
+        return media
 
-    async def _key(self, fingerprint: str, tenant: str, img, data: bytes | None) -> str:
+    async def _key(self, fingerprint: str, tenant: str, item, data: bytes | None) -> str:
         namespace = self.config.cache.namespace
         try:
-            if img.uuid:
-                return uuid_key(fingerprint, tenant, img.uuid, namespace)
+            if item.uuid:
+                return uuid_key(fingerprint, tenant, item.uuid, namespace, item.modality)
         except ValueError as err:
-            raise bad_request(str(err), param=f"image[{img.index}].uuid", code="invalid_uuid") from err
+            raise bad_request(str(err), param=f"{item.name}.uuid", code="invalid_uuid") from err
         # Content keys private to the tenant unless sharing is configured (threat model in README).
         owner = None if self.config.share_content_cache_across_tenants else tenant
         try:
             if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
-                return await asyncio.to_thread(content_key, fingerprint, data, namespace, owner)
-            return content_key(fingerprint, data, namespace, owner)
+                return await asyncio.to_thread(content_key, fingerprint, data, namespace, owner, item.modality)
+            return content_key(fingerprint, data, namespace, owner, item.modality)
         except ValueError as err:  # e.g. an over-long tenant header
             raise bad_request(str(err), param=None, code="invalid_tenant") from err
 
@@ -365,33 +376,33 @@ class Ingress:
         if len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
 
-    async def _encode(self, images: RequestImages, keys: list[str], joined: list[str] = ()) -> None:
-        """Preprocess + encode the images with these keys, each once across concurrent requests;
+    async def _encode(self, media: RequestMedia, keys: list[str], joined: list[str] = ()) -> None:
+        """Preprocess + encode the images and videos with these keys, each once across concurrent requests;
         `joined` keys are being computed for another request: wait for those. The features'
-        references land in `images.delivered`."""
+        references land in `media.delivered`."""
         joined, own = list(joined), []
         for key in keys:  # another request may have started or finished a key while we awaited
             if key in self._inflight:
                 joined.append(key)
             elif key not in self._known:
-                index = images.keys.index(key)
-                self._start_encode(ImageJob(index, key, images.datas[index]))
+                index = media.keys.index(key)
+                self._start_encode(MediaJob(media.names[index], key, media.datas[index], media.modalities[index]))
                 own.append(key)
         names = own + joined
         results = await asyncio.gather(*(self._join(k) for k in names), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        images.computed += len(own)
-        images.delivered.update({r.key: r.features_ref for r in results})
+        media.computed += len(own)
+        media.delivered.update({r.key: r.features_ref for r in results})
 
-    def _start_encode(self, job: ImageJob) -> None:
+    def _start_encode(self, job: MediaJob) -> None:
         # A context of its own: Serve cancels the calls a request made when the request is
         # cancelled, but other requests may join this work. It stops when its last waiter leaves.
         self._inflight[job.key] = asyncio.get_running_loop().create_task(
             self._encode_one(job), context=contextvars.Context())
 
-    async def _join(self, key: str) -> EncodedImage:
+    async def _join(self, key: str) -> EncodedMedia:
         """Wait for the running encode of `key`; the last waiter to leave (timeout,
         disconnect) cancels it, so no stage keeps working for nobody."""
         task = self._inflight[key]
@@ -404,7 +415,7 @@ class Ingress:
                 del self._waiters[key]
                 task.cancel()  # a no-op once it is done
 
-    async def _encode_one(self, job: ImageJob) -> EncodedImage:
+    async def _encode_one(self, job: MediaJob) -> EncodedMedia:
         try:
             # Serve passes Preprocess's pending result into the encoder call (model composition):
             # the pixels go through the object store, and Preprocess is free once they are made.
@@ -426,13 +437,14 @@ class Ingress:
             del self._inflight[job.key]
 
     # --- decode ---------------------------------------------------------------
-    async def _start_decode(self, chat: ParsedChat, images: RequestImages, request_id: str, start: float,
+    async def _start_decode(self, chat: ParsedChat, media: RequestMedia, request_id: str, start: float,
                             tenant: str):
         """The decode stream with its first chunk already received, so that errors
         become a proper status code even for streaming requests."""
         messages = template_messages(chat)
         for attempt in range(2):
-            request = DecodeRequest(request_id, messages, images.keys, chat.sampling, images.delivered, tenant)
+            request = DecodeRequest(request_id, messages, media.keys, chat.sampling, media.delivered, tenant,
+                                    modalities=media.modalities)
             stream = self.decode.options(stream=True).generate.remote(request)
             first: DecodeChunk = await _first_chunk(stream)
             if first.error and first.error["code"] == "model_changed":
@@ -448,12 +460,12 @@ class Ingress:
             gone = set(first.missing_keys)
             for key in gone:
                 self._known.pop(key, None)
-            upload_free = [i for i, (key, data) in enumerate(zip(images.keys, images.datas))
+            upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas))
                            if key in gone and data is None]
             if upload_free:
-                raise _cache_miss(upload_free)
+                raise _cache_miss(upload_free, [media.names[i] for i in upload_free])
             if attempt == 0:  # (within the request's deadline, like all its work)
-                await self._encode(images, [k for k in dict.fromkeys(images.keys) if k in gone])
+                await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
         raise IrisError("image features could not be delivered to the decoder", status_code=503,
                         code="features_unavailable")
 

@@ -1,4 +1,5 @@
-"""Preprocess (CPU only): decode, convert and resize/normalise one image.
+"""Preprocess (CPU only): decode, convert and resize/normalise one image, or decode
+and sample one video's frames (vLLM's video loader) and process them.
 
 The ingress passes this call's pending response straight into the
 VisionEncoder's call (Serve model composition), so the pixels go to the encoder
@@ -8,6 +9,8 @@ whatever the encoder's queue."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 
 from PIL import Image
@@ -16,8 +19,8 @@ from ray import serve
 from deployments.config import IrisConfig
 from deployments.metrics import latency_histogram
 from pipeline.errors import IrisError, bad_request
-from pipeline.media import decode_image
-from pipeline.stage_io import ImageJob
+from pipeline.media import check_video, decode_image
+from pipeline.stage_io import MediaJob
 from pipeline.stage_trace import mark
 from pipeline.vision_model import PixelInputs
 
@@ -29,28 +32,50 @@ class Preprocess:
         self.vision = config.vision_model()
         self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
         self.limits = config.media
-        self.seconds = latency_histogram("iris_preprocess_seconds", "Seconds to decode and preprocess one image")
+        self.seconds = latency_histogram("iris_preprocess_seconds",
+                                         "Seconds to decode and preprocess one image or video")
         self.images_preprocessed = 0
         self.preprocessing = 0  # pixels() calls in progress
 
-    def _pixels(self, job: ImageJob):
-        param = f"image[{job.index}]"
-        image = decode_image(job.data, self.limits, param=param)
+    def _pixels(self, job: MediaJob, cancelled: threading.Event):
+        m = job.modality
+        if m not in self.vision.modalities:
+            raise bad_request(f"this model takes no {m} input (it takes {', '.join(self.vision.modalities)})",
+                              param=job.name, code=f"unsupported_{m}")
+        if m == "video":
+            check_video(job.data, self.limits, param=job.name)  # from the header: nothing decoded yet
+            try:
+                media = self.vision.load_video(job.data)
+            except Exception as err:  # any decoder failure on untrusted bytes is the client's problem
+                raise bad_request(f"could not decode video: {err}", param=job.name, code="invalid_video") from None
+        else:
+            media = decode_image(job.data, self.limits, param=job.name)
+        if cancelled.is_set():  # the caller left while the bytes were decoded: skip the processor
+            raise asyncio.CancelledError
         try:
-            return self.vision.preprocess(image)
+            return self.vision.preprocess(media, m)
         except ValueError as err:  # e.g. Qwen2-VL refuses aspect ratios above 200
-            raise bad_request(f"image cannot be preprocessed for this model: {err}", param=param,
-                              code="invalid_image") from err
+            raise bad_request(f"{m} cannot be preprocessed for this model: {err}", param=job.name,
+                              code=f"invalid_{m}") from err
 
-    async def pixels(self, job: ImageJob) -> PixelInputs | IrisError:
+    async def pixels(self, job: MediaJob) -> PixelInputs | IrisError:
         """A client error (bad image) is returned, not raised: it reaches the ingress as a value."""
         start = time.perf_counter()
         mark("preprocess.start", job.key)
         self.preprocessing += 1
+        cancelled = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._pixels, job, cancelled))
         try:
-            pixels = await asyncio.to_thread(self._pixels, job)
+            # A thread cannot be interrupted: when the caller leaves, the decode in progress
+            # finishes, the steps after it are skipped, and the replica counts as busy until then.
+            pixels = await asyncio.shield(work)
         except IrisError as err:
             return err
+        except asyncio.CancelledError:
+            cancelled.set()
+            with contextlib.suppress(BaseException):
+                await work
+            raise
         finally:
             self.preprocessing -= 1
         self.seconds.observe(time.perf_counter() - start)

@@ -29,11 +29,11 @@ class ReplicaLoad:
     max_ongoing: int  # the replica rejects requests beyond this
 
 
-def affinity_key(image_keys: Sequence[str] | None) -> str | None:
-    """The first image's key: prefix caching reuses a prompt up to its first
+def affinity_key(media_keys: Sequence[str] | None) -> str | None:
+    """The first image's (or video's) key: prefix caching reuses a prompt up to its first
     difference, so requests (and later turns of a chat) that open with the same
     image share the most KV blocks on one replica."""
-    for key in image_keys or ():
+    for key in media_keys or ():
         if key:
             return key
     return None

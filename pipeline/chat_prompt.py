@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pipeline.chat_request import ChatMessage, ImagePlaceholder, ParsedChat
-
-
-# Hugging Face chat templates (LLaVA, Qwen2-VL, ...) render this part as the model's image placeholder.
-IMAGE_PART = {"type": "image"}
+from pipeline.chat_request import ChatMessage, MediaPlaceholder, ParsedChat
 
 
 def template_messages(chat: ParsedChat) -> list[dict]:
-    """HF chat-template messages, with each image where the client put it."""
+    """HF chat-template messages, with each image and video where the client put it."""
     return messages_for_template(chat.messages)
 
 
@@ -18,7 +14,8 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for message in messages:
         content = [
-            dict(IMAGE_PART) if isinstance(part, ImagePlaceholder) else {"type": "text", "text": part.text}
+            # Hugging Face chat templates render {"type": "image"} / {"type": "video"} as the model's placeholder.
+            {"type": part.modality} if isinstance(part, MediaPlaceholder) else {"type": "text", "text": part.text}
             for part in message.parts
         ]
         out.append({"role": message.role, "content": content})

@@ -2,14 +2,15 @@
 
 Two steps: pydantic models check the shape and types of the subset of the
 OpenAI request we serve (unknown fields are ignored, since OpenAI clients send
-extras), then `parse_chat_request` checks the meaning (roles, parts, image
-limits) and flattens images into one list in order of appearance, leaving an
-`ImagePlaceholder(index)` where each image sits in its message.
+extras), then `parse_chat_request` checks the meaning (roles, parts, per-prompt
+limits) and flattens images and videos (`image_url` and `video_url` parts, as
+`vllm serve` takes them) into one list in order of appearance, leaving a
+`MediaPlaceholder(index, modality)` where each sits in its message.
 
-Decision: images are accepted in user messages only. Chat templates of the VLMs
-we serve (LLaVA, Qwen2-VL) place image tokens where the user turn puts them;
-an image in a system or assistant turn is either dropped silently or breaks the
-template, so we reject it with a clear 400 instead.
+Decision: images and videos are accepted in user messages only. Chat templates
+of the VLMs we serve place their tokens where the user turn puts them; one in a
+system or assistant turn is either dropped silently or breaks the template, so
+we reject it with a clear 400 instead.
 
 Every error is an IrisError 400 whose `param` names the offending field, e.g.
 `messages[1].content[0].image_url`.
@@ -61,7 +62,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class ImageURLModel(_Model):
+class MediaURLModel(_Model):
     # url may be absent/null when the part carries a uuid (upload-free).
     url: Text | None = None
     detail: Literal["auto", "low", "high"] | None = None
@@ -72,7 +73,8 @@ class ContentPartModel(_Model):
     # (see _parse_part) instead of a pydantic union error.
     type: Text
     text: Text | None = None
-    image_url: ImageURLModel | None = None
+    image_url: MediaURLModel | None = None
+    video_url: MediaURLModel | None = None
     uuid: Text | None = None
 
 
@@ -118,27 +120,39 @@ class TextPart:
 
 
 @dataclass(frozen=True)
-class ImagePlaceholder:
-    index: int  # into ParsedChat.images
+class MediaPlaceholder:
+    index: int  # into ParsedChat.media
+    modality: str = "image"
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str  # "system" | "user" | "assistant"
-    parts: list[TextPart | ImagePlaceholder]
+    parts: list[TextPart | MediaPlaceholder]
 
 
 @dataclass(frozen=True)
-class ImageInput:
-    index: int
+class MediaInput:
+    index: int  # position among the request's images and videos
     url: str | None  # data: or http(s) URL; None = upload-free (uuid only)
     uuid: str | None
+    modality: str = "image"  # "image" | "video"
+    ordinal: int = 0  # position among the request's items of this modality, as vLLM counts them
+
+    @property
+    def name(self) -> str:
+        """How errors name it: image[0], video[1], ..."""
+        return f"{self.modality}[{self.ordinal}]"
+
+
+# What a content part's type carries, and the URL field it is in.
+PART_MODALITIES = {"image_url": "image", "video_url": "video"}
 
 
 @dataclass(frozen=True)
 class ParsedChat:
     messages: list[ChatMessage]
-    images: list[ImageInput]
+    media: list[MediaInput]
     sampling: Any  # vLLM's validated ChatCompletionRequest (messages stubbed); LLMDecode makes SamplingParams
     stream: bool
     include_usage: bool
@@ -150,7 +164,7 @@ class ParsedChat:
 # ---------------------------------------------------------------------------
 
 
-def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
+def parse_chat_request(body: dict, max_images: int, max_videos: int = 0) -> ParsedChat:
     """Validate a chat completions body; raise IrisError 400 on any problem."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -167,12 +181,12 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
             "stream_options is only allowed when stream is true", param="stream_options"
         )
 
-    messages, images = parse_messages(req.messages, max_images)
+    messages, media = parse_messages(req.messages, {"image": max_images, "video": max_videos})
     sampling = validate_sampling(body, "chat")
     include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
     return ParsedChat(
         messages=messages,
-        images=images,
+        media=media,
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
@@ -180,11 +194,13 @@ def parse_chat_request(body: dict, max_images: int) -> ParsedChat:
     )
 
 
-def parse_messages(raw: list[MessageModel], max_images: int) -> tuple[list[ChatMessage], list[ImageInput]]:
-    """The messages, with each image replaced by a placeholder, and the images in order."""
+def parse_messages(raw: list[MessageModel], limits: dict[str, int]) -> tuple[list[ChatMessage], list[MediaInput]]:
+    """The messages, with each image or video replaced by a placeholder, and the items in order.
+    `limits`: most items per modality (vLLM's --limit-mm-per-prompt)."""
     messages: list[ChatMessage] = []
-    images: list[ImageInput] = []
-    first_over_limit: str | None = None  # param of the first image past max_images
+    media: list[MediaInput] = []
+    counts = dict.fromkeys(PART_MODALITIES.values(), 0)
+    first_over_limit: dict[str, str] = {}  # modality -> param of its first item past the limit
     for mi, msg in enumerate(raw):
         where = f"messages[{mi}]"
         role = "system" if msg.role == "developer" else msg.role
@@ -196,49 +212,57 @@ def parse_messages(raw: list[MessageModel], max_images: int) -> tuple[list[ChatM
             # missing content stays an error, as in OpenAI's API without tool calls.
             messages.append(ChatMessage(role=role, parts=[TextPart(text="")]))
             continue
-        parts: list[TextPart | ImagePlaceholder] = []
+        parts: list[TextPart | MediaPlaceholder] = []
         for pi, part in enumerate(msg.content):
             p = f"{where}.content[{pi}]"
             parsed = _parse_part(part, p, role)
-            if isinstance(parsed, ImageInput):
-                if len(images) == max_images and first_over_limit is None:
-                    first_over_limit = p
-                parsed = ImageInput(index=len(images), url=parsed.url, uuid=parsed.uuid)
-                images.append(parsed)
-                parts.append(ImagePlaceholder(parsed.index))
+            if isinstance(parsed, MediaInput):
+                modality = parsed.modality
+                if counts[modality] == limits.get(modality, 0):
+                    first_over_limit.setdefault(modality, p)
+                parsed = MediaInput(len(media), parsed.url, parsed.uuid, modality, counts[modality])
+                counts[modality] += 1
+                media.append(parsed)
+                parts.append(MediaPlaceholder(parsed.index, modality))
             else:
                 parts.append(parsed)
         messages.append(ChatMessage(role=role, parts=parts))
 
-    if len(images) > max_images:
+    for modality, param in first_over_limit.items():
+        limit = limits.get(modality, 0)
+        if not limit:
+            raise bad_request(f"this server takes no {modality} input (its limit per prompt is 0)",
+                              param=param, code=f"too_many_{modality}s")
         raise bad_request(
-            f"At most {max_images} image(s) may be provided in one request, "
-            f"but this request has {len(images)} (the server's limit per prompt, "
+            f"At most {limit} {modality}(s) may be provided in one request, "
+            f"but this request has {counts[modality]} (the server's limit per prompt, "
             f"as vLLM's --limit-mm-per-prompt)",
-            param=first_over_limit,
-            code="too_many_images",
+            param=param,
+            code=f"too_many_{modality}s",
         )
-    return messages, images
+    return messages, media
 
 
-def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | ImageInput:
+def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | MediaInput:
     if part.type == "text":
         if part.text is None:
             raise bad_request(f"{p} has type 'text' but no 'text' string", param=f"{p}.text")
         return TextPart(part.text)
-    if part.type != "image_url":
+    modality = PART_MODALITIES.get(part.type)
+    if modality is None:
         raise bad_request(
-            f"unsupported content part type {part.type!r}: only 'text' and 'image_url' are supported",
+            f"unsupported content part type {part.type!r}: only 'text', 'image_url' and 'video_url' are supported",
             param=f"{p}.type",
         )
     if role != "user":
         raise bad_request(
-            f"images are only allowed in user messages, but {p} is in a {role!r} message",
+            f"{modality}s are only allowed in user messages, but {p} is in a {role!r} message",
             param=p,
         )
-    url = part.image_url.url if part.image_url is not None else None
+    url_field = getattr(part, part.type)
+    url = url_field.url if url_field is not None else None
     if url is not None and url.strip() == "":
-        raise bad_request(f"{p}.image_url.url must not be empty", param=f"{p}.image_url.url")
+        raise bad_request(f"{p}.{part.type}.url must not be empty", param=f"{p}.{part.type}.url")
     uuid = part.uuid
     if uuid is not None:
         if uuid.strip() == "":
@@ -250,10 +274,11 @@ def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | ImageIn
             )
     if url is None and uuid is None:
         raise bad_request(
-            f"{p} needs image_url.url, or a uuid that refers to an image sent earlier",
-            param=f"{p}.image_url",
+            f"{p} needs {part.type}.url, or a uuid that refers to {'an image' if modality == 'image' else 'a video'} "
+            "sent earlier",
+            param=f"{p}.{part.type}",
         )
-    return ImageInput(index=-1, url=url, uuid=uuid)  # index assigned by the caller
+    return MediaInput(index=-1, url=url, uuid=uuid, modality=modality)  # index assigned by the caller
 
 
 # ---------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""Fetch image bytes from a data: or http(s) URL and decode them, with limits.
+"""Fetch image and video bytes from a data: or http(s) URL and decode them, with limits.
 
 Two steps kept apart on purpose: the raw bytes are what the cache key hashes
 (design §1, layer 1), so they are needed before, and often instead of, decoding.
 
-Every failure is an IrisError 400 with a code the client can act on:
+Every failure is an IrisError 400 with a code the client can act on (video_* for videos):
   invalid_image_url       scheme not supported (file://, ftp://, bare paths) or malformed data: URL
   image_fetch_failed      address not allowed (SSRF guard), error status, connection error,
                           timeout, too many redirects; the reason is generic and never
                           repeats the remote server's status line or body
-  image_too_large         over max_image_bytes, or over max_image_pixels (decompression bomb)
+  image_too_large         over max_image_bytes, or over max_image_pixels (decompression bomb);
+                          videos: over max_video_bytes, max_video_frame_pixels,
+                          max_video_frames or max_video_duration_s
   unsupported_image_format  a real image, but in a format not allowed here
   invalid_image           bad base64, not an image, truncated or corrupt
 
@@ -56,6 +58,14 @@ class MediaLimits(BaseModel):
     # addresses, e.g. "10.1.2.0/24" or "127.0.0.1/32" for tests.
     allowed_fetch_hosts: frozenset[str] = frozenset()
     allowed_fetch_cidrs: frozenset[str] = frozenset()
+    # Videos: checked from the container's header before any frame is decoded.
+    max_video_bytes: Annotated[int, Field(gt=0)] = 64 * MiB
+    max_video_frames: Annotated[int, Field(gt=0)] = 36_000  # frames in the clip (sampling picks fewer)
+    max_video_duration_s: Annotated[float, Field(gt=0)] = 1200.0
+    max_video_frame_pixels: Annotated[int, Field(gt=0)] = 3840 * 2160
+
+    def max_bytes(self, modality: str) -> int:
+        return self.max_video_bytes if modality == "video" else self.max_image_bytes
 
     @field_validator("allowed_formats", mode="after")
     @classmethod
@@ -81,7 +91,7 @@ class MediaLimits(BaseModel):
 
 
 def fetch_client(limits: MediaLimits) -> GuardedClient:
-    """A pooled http client for load_image_bytes that enforces the limits' SSRF policy."""
+    """A pooled http client for load_media_bytes that enforces the limits' SSRF policy."""
     return GuardedClient(limits.fetch_policy(), limits.fetch_timeout_s)
 
 
@@ -95,86 +105,88 @@ def _short(url: str, n: int = 100) -> str:
 # ---------------------------------------------------------------------------
 
 
-async def load_image_bytes(
+async def load_media_bytes(
     url: str,
     limits: MediaLimits,
     client: httpx.AsyncClient | None = None,
     *,
     param: str | None = None,
+    modality: str = "image",
 ) -> bytes:
-    """Return the raw bytes behind a data: or http(s) URL.
+    """Return the raw bytes behind a data: or http(s) URL of an image or a video.
 
     `param` names the request field the URL came from, for error messages.
     """
+    m = modality
     if not isinstance(url, str) or not url:
-        raise bad_request("image URL must be a non-empty string", param, "invalid_image_url")
+        raise bad_request(f"{m} URL must be a non-empty string", param, f"invalid_{m}_url")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return _load_data_url(url, limits, param)
+        return _load_data_url(url, limits, param, m)
     if scheme in ("http", "https"):
         if not limits.allow_http:
             raise bad_request(
-                "fetching images over http(s) is disabled on this server; "
-                "send the image inline as a base64 data: URL",
+                f"fetching {m}s over http(s) is disabled on this server; "
+                f"send the {m} inline as a base64 data: URL",
                 param,
-                "invalid_image_url",
+                f"invalid_{m}_url",
             )
-        return await _fetch_http(url, limits, client, param)
+        return await _fetch_http(url, limits, client, param, m)
     raise bad_request(
-        f"unsupported image URL {_short(url)!r}: only data: (base64) and http(s) URLs are accepted",
+        f"unsupported {m} URL {_short(url)!r}: only data: (base64) and http(s) URLs are accepted",
         param,
-        "invalid_image_url",
+        f"invalid_{m}_url",
     )
 
 
-def _load_data_url(url: str, limits: MediaLimits, param: str | None) -> bytes:
+def _load_data_url(url: str, limits: MediaLimits, param: str | None, m: str = "image") -> bytes:
     # data:[<media type>][;<param>...];base64,<payload>
     header, sep, payload = url[5:].partition(",")
     if not sep:
-        raise bad_request("malformed data: URL: no ',' before the payload", param, "invalid_image_url")
+        raise bad_request("malformed data: URL: no ',' before the payload", param, f"invalid_{m}_url")
     fields = [f.strip() for f in header.split(";")]
     media_type, options = fields[0].lower(), [f.lower() for f in fields[1:]]
     if "base64" not in options:
         raise bad_request(
-            "only base64 data: URLs are supported (data:image/<type>;base64,...)",
+            f"only base64 data: URLs are supported (data:{m}/<type>;base64,...)",
             param,
-            "invalid_image_url",
+            f"invalid_{m}_url",
         )
-    if media_type and not (media_type.startswith("image/") or media_type == "application/octet-stream"):
+    if media_type and not (media_type.startswith(f"{m}/") or media_type == "application/octet-stream"):
         raise bad_request(
-            f"data: URL has media type {media_type!r}; expected image/*", param, "invalid_image_url"
+            f"data: URL has media type {media_type!r}; expected {m}/*", param, f"invalid_{m}_url"
         )
     # Reject by the encoded length before spending memory on decoding.
-    if len(payload) // 4 * 3 > limits.max_image_bytes + 2:
-        raise _too_large_bytes(f"more than {limits.max_image_bytes}", limits, param)
+    if len(payload) // 4 * 3 > limits.max_bytes(m) + 2:
+        raise _too_large_bytes(f"more than {limits.max_bytes(m)}", limits, param, m)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise bad_request(f"data: URL payload is not valid base64: {e}", param, "invalid_image") from None
+        raise bad_request(f"data: URL payload is not valid base64: {e}", param, f"invalid_{m}") from None
     if not data:
-        raise bad_request("data: URL payload is empty", param, "invalid_image")
-    if len(data) > limits.max_image_bytes:
-        raise _too_large_bytes(str(len(data)), limits, param)
+        raise bad_request("data: URL payload is empty", param, f"invalid_{m}")
+    if len(data) > limits.max_bytes(m):
+        raise _too_large_bytes(str(len(data)), limits, param, m)
     return data
 
 
-def _too_large_bytes(size: str, limits: MediaLimits, param: str | None) -> IrisError:
+def _too_large_bytes(size: str, limits: MediaLimits, param: str | None, m: str = "image") -> IrisError:
     return bad_request(
-        f"image is {size} bytes; the limit is {limits.max_image_bytes} bytes",
+        f"{m} is {size} bytes; the limit is {limits.max_bytes(m)} bytes (max_{m}_bytes)",
         param,
-        "image_too_large",
+        f"{m}_too_large",
     )
 
 
-def _fetch_failed(url: str, reason: str, param: str | None) -> IrisError:
+def _fetch_failed(url: str, reason: str, param: str | None, m: str = "image") -> IrisError:
     # `reason` is always one of our own fixed phrases: the remote server's status
     # line, body and error text are never repeated to the client (they could be an
     # internal service's answer), only logged.
-    return bad_request(f"could not fetch image {_short(url)!r}: {reason}", param, "image_fetch_failed")
+    return bad_request(f"could not fetch {m} {_short(url)!r}: {reason}", param, f"{m}_fetch_failed")
 
 
 async def _fetch_http(
-    url: str, limits: MediaLimits, client: httpx.AsyncClient | None, param: str | None
+    url: str, limits: MediaLimits, client: httpx.AsyncClient | None, param: str | None, m: str = "image"
 ) -> bytes:
     # Only a client that enforces this very policy will do; any other (None, a
     # plain httpx client, another policy) is replaced for this call.
@@ -186,28 +198,28 @@ async def _fetch_http(
         # timeouts are per operation, so a server trickling bytes could otherwise
         # hold us forever.
         async with asyncio.timeout(limits.fetch_timeout_s):
-            return await _fetch_following_redirects(client, url, limits, param)
+            return await _fetch_following_redirects(client, url, limits, param, m)
     except TimeoutError:
-        raise _fetch_failed(url, f"timed out after {limits.fetch_timeout_s:g} s", param) from None
+        raise _fetch_failed(url, f"timed out after {limits.fetch_timeout_s:g} s", param, m) from None
     except FetchRefused:
         raise _fetch_failed(
-            url, "the address is not allowed: this server fetches images from public addresses only", param
+            url, f"the address is not allowed: this server fetches {m}s from public addresses only", param, m
         ) from None
     except httpx.TimeoutException:
-        raise _fetch_failed(url, "timed out", param) from None
+        raise _fetch_failed(url, "timed out", param, m) from None
     except httpx.ConnectError as e:
-        logger.info("image fetch: could not connect for %s: %s", _short(url), e)
-        raise _fetch_failed(url, "could not connect to the server", param) from None
+        logger.info("%s fetch: could not connect for %s: %s", m, _short(url), e)
+        raise _fetch_failed(url, "could not connect to the server", param, m) from None
     except (httpx.HTTPError, httpx.InvalidURL) as e:
-        logger.info("image fetch failed for %s: %s: %s", _short(url), type(e).__name__, e)
-        raise _fetch_failed(url, "the request failed", param) from None
+        logger.info("%s fetch failed for %s: %s: %s", m, _short(url), type(e).__name__, e)
+        raise _fetch_failed(url, "the request failed", param, m) from None
     finally:
         if own_client:
             await client.aclose()
 
 
 async def _fetch_following_redirects(
-    client: httpx.AsyncClient, url: str, limits: MediaLimits, param: str | None
+    client: httpx.AsyncClient, url: str, limits: MediaLimits, param: str | None, m: str
 ) -> bytes:
     # Redirects by hand: the limit is ours rather than the (maybe shared)
     # client's, and every hop must stay http(s). Each hop's connection is
@@ -218,27 +230,27 @@ async def _fetch_following_redirects(
             if resp.is_redirect:
                 target = resp.url.join(resp.headers["location"])
                 if target.scheme not in ("http", "https"):
-                    raise _fetch_failed(url, "redirected to a URL that is not http(s)", param)
+                    raise _fetch_failed(url, "redirected to a URL that is not http(s)", param, m)
                 current = str(target)
                 continue
             if not resp.is_success:
-                logger.info("image fetch: %s answered HTTP %d", _short(current), resp.status_code)
-                raise _fetch_failed(url, "the server did not return the image", param)
+                logger.info("%s fetch: %s answered HTTP %d", m, _short(current), resp.status_code)
+                raise _fetch_failed(url, f"the server did not return the {m}", param, m)
             # An honest Content-Length over the limit fails before any body is read.
             declared = resp.headers.get("content-length")
             if declared and declared.isdigit() and "content-encoding" not in resp.headers:
-                if int(declared) > limits.max_image_bytes:
-                    raise _too_large_bytes(declared, limits, param)
+                if int(declared) > limits.max_bytes(m):
+                    raise _too_large_bytes(declared, limits, param, m)
             buf = bytearray()
             # aiter_bytes yields decoded bytes, so a gzip bomb is counted as it inflates.
             async for chunk in resp.aiter_bytes():
                 buf += chunk
-                if len(buf) > limits.max_image_bytes:
-                    raise _too_large_bytes(f"more than {limits.max_image_bytes}", limits, param)
+                if len(buf) > limits.max_bytes(m):
+                    raise _too_large_bytes(f"more than {limits.max_bytes(m)}", limits, param, m)
             if not buf:
-                raise _fetch_failed(url, "the response body is empty", param)
+                raise _fetch_failed(url, "the response body is empty", param, m)
             return bytes(buf)
-    raise _fetch_failed(url, f"more than {limits.max_redirects} redirects", param)
+    raise _fetch_failed(url, f"more than {limits.max_redirects} redirects", param, m)
 
 
 # ---------------------------------------------------------------------------
@@ -330,3 +342,35 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255))
             img = img.point(lambda v: (v - lo) * (255.0 / (hi - lo)))
         return img.convert("L").convert("RGB")
     return img.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
+
+
+def check_video(data: bytes, limits: MediaLimits, *, param: str | None = None) -> None:
+    """Refuse a video over the limits from its container's header, before any frame is
+    decoded: bytes, frame size, frame count, duration. Bytes OpenCV cannot open are invalid."""
+    import cv2
+    from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
+
+    if not data:
+        raise bad_request("video data is empty", param, "invalid_video")
+    if len(data) > limits.max_video_bytes:
+        raise _too_large_bytes(str(len(data)), limits, param, "video")
+    try:
+        cap = OpenCVVideoBackendMixin.open_video_capture(data)
+    except Exception:  # any parser failure on untrusted bytes is the client's problem
+        raise bad_request("data is not a video this server can read", param, "invalid_video") from None
+    try:
+        width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
+    finally:
+        cap.release()
+    if width <= 0 or height <= 0 or frames <= 0:
+        raise bad_request(f"video has no readable frames ({width}x{height}, {frames} frames)", param, "invalid_video")
+    for value, limit, what, knob in (
+        (width * height, limits.max_video_frame_pixels, f"has frames of {width}x{height} = {width * height} pixels",
+         "max_video_frame_pixels"),
+        (frames, limits.max_video_frames, f"has {frames} frames", "max_video_frames"),
+        (frames / fps if fps > 0 else 0.0, limits.max_video_duration_s,
+         f"is {frames / fps if fps > 0 else 0.0:.1f} s long", "max_video_duration_s"),
+    ):
+        if value > limit:
+            raise bad_request(f"video {what}; the limit is {limit:g} ({knob})", param, "video_too_large")

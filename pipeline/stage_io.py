@@ -1,12 +1,12 @@
 """What the serving stages hand to one another (plain dataclasses, pickled by Ray).
 
-Ingress -> Preprocess: `ImageJob` (bytes of an image whose features are not cached).
+Ingress -> Preprocess: `MediaJob` (bytes of an image or video whose features are not cached).
 Preprocess -> VisionEncoder: the family's `PixelInputs` (or the client error
   preprocessing ended in), passed by the ingress as Preprocess's pending response
   (Serve model composition: the pixels go through the object store, not the ingress).
-VisionEncoder -> Ingress: `EncodedImage`, i.e. the key, metadata and a reference
+VisionEncoder -> Ingress: `EncodedMedia`, i.e. the key, metadata and a reference
   to the features in Ray's object store (not the tensors themselves).
-Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images, plus the
+Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images and videos, plus the
   references of features computed for this request: the decoder takes those
   directly, while the Redis write runs behind the response.
 LLMDecode -> Ingress: `DecodeChunk`s (several token deltas merged per chunk).
@@ -19,14 +19,15 @@ from typing import Any
 
 
 @dataclass
-class ImageJob:
-    index: int  # position of the image in the request
+class MediaJob:
+    name: str  # how errors name it: "image[0]", "video[0]", ...
     key: str
     data: bytes
+    modality: str = "image"
 
 
 @dataclass
-class EncodedImage:
+class EncodedMedia:
     key: str
     num_tokens: int
     features_ref: Any  # a Ray ObjectRef of the `Features` (pipeline/ itself knows nothing of Ray)
@@ -35,13 +36,14 @@ class EncodedImage:
 @dataclass
 class DecodeRequest:
     request_id: str
-    messages: list[dict[str, Any]] | None  # chat-template messages, one {"type": "image"} part per image
-    image_keys: list[str]  # one per image part, in prompt order
+    messages: list[dict[str, Any]] | None  # chat-template messages, one {"type": "image"|"video"} part per item
+    media_keys: list[str]  # one per image or video part, in prompt order
     sampling: Any  # vLLM's validated Chat/CompletionRequest: LLMDecode calls its to_sampling_params
     # key -> ObjectRef of Features computed for this request; other keys are read from the cache.
     delivered: dict[str, Any] = field(default_factory=dict)
     tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenant.py cache_salt)
     prompt: str | None = None  # /v1/completions: a text prompt instead of messages
+    modalities: list[str] = field(default_factory=list)  # of media_keys; empty: all images
 
 
 @dataclass

@@ -1,32 +1,36 @@
-"""One checkpoint's image path, all of it vLLM's own code, for every family vLLM serves.
+"""One checkpoint's image and video path, all of it vLLM's own code, for every family vLLM serves.
 
 - Preprocess (CPU): vLLM's multimodal processor for the checkpoint, the one a
-  monolithic `vllm serve` runs, turns an image into the model's processed inputs
-  (`MultiModalKwargsItem`: pixels, patch grids, tile counts, ...) and tells how
-  many feature tokens it becomes. Models that normalise on the device get uint8
-  pixels, as vLLM gives them.
+  monolithic `vllm serve` runs, turns an image (or a video's decoded frames)
+  into the model's processed inputs (`MultiModalKwargsItem`: pixels, patch
+  grids, tile counts, frame timestamps, ...) and tells how many feature tokens
+  it becomes. Models that normalise on the device get uint8 pixels, as vLLM
+  gives them.
 - VisionEncoder: vLLM's model class for the checkpoint, built with
   `mm_encoder_only` (the language model is neither allocated nor loaded), and
   its `embed_multimodal`, the entry point vLLM's own model runner calls.
-- LLMDecode: the features go back to vLLM as image embeddings in the form the
-  model's data parser declares (`embedding_fields`: e.g. Qwen's
-  `image_embeds` + `image_grid_thw`); families that declare nothing take one
-  tensor per image.
+- LLMDecode: the features go back to vLLM as embeddings in the form the
+  model's data parser declares per modality (`embedding_fields`: e.g. Qwen's
+  `image_embeds` + `image_grid_thw`, `video_embeds` + `video_grid_thw`);
+  families that declare nothing take one tensor per item.
 
-So nothing here asks which model it serves: a family vLLM accepts image
-embeddings for needs no Iris code.
+So nothing here asks which model it serves: a family vLLM accepts embeddings
+for needs no Iris code. A modality is served when vLLM's processor knows it and
+vLLM takes the model's own features back for it (checked at load).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -34,12 +38,14 @@ from cache_service.codec import Features
 from cache_service.keys import content_hash
 
 FINGERPRINT_CHARS = 16
-DEFAULT_VALUES_FIELD = "image_embeds"  # the name vLLM's models give precomputed image features
+MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
 
 # Metadata that some families' embedding inputs carry but vLLM's processor does not output
 # for pixels, by field name, from the image: MiniCPM-V sizes its slice grid from the
 # original image's [width, height].
 _METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, image.height])}
+
+logger = logging.getLogger(__name__)
 
 # vLLM's torch.distributed state is per process: one model is built at a time.
 _DISTRIBUTED_LOCK = threading.Lock()
@@ -47,11 +53,40 @@ _DISTRIBUTED_LOCK = threading.Lock()
 
 @dataclass
 class PixelInputs:
-    """One preprocessed image: vLLM's processed item and its feature-token count."""
+    """One preprocessed image or video: vLLM's processed item and its feature-token count."""
 
     item: Any  # vllm.multimodal.inputs.MultiModalKwargsItem
     num_tokens: int
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
+    modality: str = "image"
+
+
+@dataclass
+class EmbeddingForm:
+    """How vLLM takes one modality's precomputed features: its data parser's `embedding_fields`
+    (a dict of values + metadata tensors, e.g. Qwen's), or one tensor per item (LLaVA)."""
+
+    values_field: str
+    metadata_fields: tuple[str, ...]
+    dict_input: bool
+    batched_values: bool = False  # dict input: one tensor per item rather than all rows in one
+    width: int | None = None  # of the values, known once the encoder was loaded here
+    metadata_kinds: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # name -> (dtype, ndim)
+
+    @classmethod
+    def of(cls, parser_class, modality: str) -> "EmbeddingForm":
+        roles = parser_class.embedding_fields.get(modality, {})
+        values = [name for name, role in roles.items() if role == "values"]
+        return cls(values[0] if values else f"{modality}_embeds",
+                   tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
+
+
+def sample_video(frames: int = 4, side: int = 64) -> tuple[np.ndarray, dict]:
+    """A grey clip as vLLM's video loader returns one: frames [T, H, W, 3] uint8 and their metadata."""
+    fps = 2.0
+    return np.full((frames, side, side, 3), 128, np.uint8), {
+        "total_num_frames": frames, "fps": fps, "duration": frames / fps, "video_backend": "opencv",
+        "frames_indices": list(range(frames)), "do_sample_frames": True}
 
 
 def checkpoint_dtype(checkpoint: str) -> str:
@@ -72,41 +107,46 @@ class VisionModel:
     """vLLM's processor, encoder and embedding format for one checkpoint.
 
     `dtype` is vLLM's dtype argument ("auto": the checkpoint's); the encoder and
-    the decoder must agree on it for features to equal vLLM's own."""
+    the decoder must agree on it for features to equal vLLM's own. `max_items` caps
+    images and videos per prompt (vLLM's `limit_mm_per_prompt`); `media_io_kwargs`
+    is vLLM's `--media-io-kwargs` (e.g. {"video": {"num_frames": 16}}), for the loader."""
 
-    def __init__(self, checkpoint: str, dtype: str = "auto", max_images: int = 4,
-                 mm_processor_kwargs: dict | None = None):
+    def __init__(self, checkpoint: str, dtype: str = "auto", max_items: dict[str, int] | None = None,
+                 mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.multimodal import MULTIMODAL_REGISTRY
 
         self.checkpoint = checkpoint
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
+        self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
+        limits = {"image": 4, "video": 1, **(max_items or {})}
         self.vllm_config = EngineArgs(
             model=checkpoint, dtype=checkpoint_dtype(checkpoint) if dtype == "auto" else dtype,
-            mm_encoder_only=True, enable_mm_embeds=True, enforce_eager=True,
-            limit_mm_per_prompt={"image": max_images}, mm_processor_kwargs=self.mm_processor_kwargs or None,
+            mm_encoder_only=True, enable_mm_embeds=True, enforce_eager=True, limit_mm_per_prompt=limits,
+            mm_processor_kwargs=self.mm_processor_kwargs or None, media_io_kwargs=self.media_io_kwargs or None,
         ).create_engine_config()
         model_config = self.vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
-        # The prompt text of one image: the processor expands it into the image's placeholder tokens.
-        self._image_prompt = self.processor.dummy_inputs.get_dummy_text({"image": 1})
-        roles = type(self.processor.data_parser).embedding_fields.get("image", {})
-        values = [name for name, role in roles.items() if role == "values"]
-        self.values_field = values[0] if values else DEFAULT_VALUES_FIELD
-        self.metadata_fields = tuple(sorted(name for name, role in roles.items() if role == "metadata"))
-        self._dict_input = bool(roles)
-        self._batched_values = False  # dict input: one tensor per image rather than all rows in one
+        # The modalities this model may serve: vLLM's processor knows them and the limits allow
+        # them; load_encoder() drops those vLLM takes no embeddings for.
+        supported = self.processor.info.get_supported_mm_limits()
+        self.modalities = tuple(m for m in MODALITIES if m in supported and limits.get(m))
+        parser_class = type(self.processor.data_parser)
+        self.forms = {m: EmbeddingForm.of(parser_class, m) for m in self.modalities}
+        # The prompt text of one item: the processor expands it into the item's placeholder tokens.
+        self._prompts = {m: self.processor.dummy_inputs.get_dummy_text({m: 1}) for m in self.modalities}
         self.model: torch.nn.Module | None = None
-        self.feature_width: int | None = None  # known once the encoder was loaded here
         self._weights_digest: str | None = None
-        self._metadata_kinds: dict[str, tuple[torch.dtype, int]] = {}  # name -> (dtype, ndim), as encoded
 
     # --- Preprocess (CPU) -------------------------------------------------------
-    def preprocess(self, image: Image.Image) -> PixelInputs:
-        """vLLM's processor on one RGB image. A ValueError means the model cannot take it."""
+    def preprocess(self, media: Any, modality: str = "image") -> PixelInputs:
+        """vLLM's processor on one RGB image, or one video as vLLM's loader gives it
+        (frames, metadata). A ValueError means the model cannot take it."""
+        if modality not in self.modalities:
+            raise ValueError(f"this model takes no {modality} input")
         try:
-            out = self.processor(self._image_prompt, self.processor.data_parser.parse_mm_data({"image": [image]}),
+            out = self.processor(self._prompts[modality], self.processor.data_parser.parse_mm_data({modality: [media]}),
                                  hf_processor_mm_kwargs=self.mm_processor_kwargs)
         except ValueError as err:
             # vLLM wraps the processor's reason in "Failed to apply <processor> on data=...": the reason.
@@ -114,10 +154,28 @@ class VisionModel:
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
             raise ValueError(str(cause)) from err
-        (item,) = out["mm_kwargs"]["image"]
-        (placeholder,) = out["mm_placeholders"]["image"]
-        metadata = {name: _METADATA_FROM_IMAGE[name](image) for name in self.metadata_fields if name not in item}
-        return PixelInputs(item, placeholder.get_num_embeds(), metadata)
+        (item,) = out["mm_kwargs"][modality]
+        (placeholder,) = out["mm_placeholders"][modality]
+        metadata = {name: _METADATA_FROM_IMAGE[name](media) for name in self.forms[modality].metadata_fields
+                    if name not in item} if modality == "image" else {}
+        return PixelInputs(item, placeholder.get_num_embeds(), metadata, modality)
+
+    def load_video(self, data: bytes) -> tuple[np.ndarray, dict]:
+        """A video's sampled frames [T, H, W, 3] (uint8) and metadata, decoded by vLLM's video
+        loader as `vllm serve` does for this model (its --media-io-kwargs, its backend for the
+        model's video processor). Raises on bytes it cannot decode."""
+        from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+        from vllm.multimodal.video import get_video_loader_backend_for_processor
+        from vllm.transformers_utils.processor import get_video_processor_cls_name
+
+        video_kwargs = dict(self.media_io_kwargs.get("video", {}))
+        if "video_backend" not in video_kwargs:
+            backend = get_video_loader_backend_for_processor(
+                get_video_processor_cls_name(self.vllm_config.model_config))
+            if backend:
+                video_kwargs["video_backend"] = backend
+        image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
+        return VideoMediaIO(image_io, **video_kwargs).load_bytes(data).media
 
     # --- VisionEncoder ------------------------------------------------------------
     def load_encoder(self) -> None:
@@ -138,69 +196,91 @@ class VisionModel:
         loader.load_weights = load_and_hash
         with set_current_vllm_config(self.vllm_config), _process_group_of_one():
             self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.vllm_config.model_config)
-        # One small image warms the tower up and tells the width of its features, which
-        # vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's carry DeepStack taps).
-        (warm,) = self.encode([self.preprocess(Image.new("RGB", (64, 64), (128, 128, 128)))])
-        self.feature_width = int(warm.tensors[self.values_field].shape[1])
-        self._metadata_kinds = {name: (warm.tensors[name].dtype, warm.tensors[name].ndim)
-                                for name in self.metadata_fields}
-        self._check_embedding_input(warm)
+        # A small sample of each modality warms the tower up and tells the width of its
+        # features, which vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's
+        # carry DeepStack taps); vLLM must take them back as embeddings.
+        samples = {"image": Image.new("RGB", (64, 64), (128, 128, 128)), "video": sample_video()}
+        for modality in self.modalities:
+            (warm,) = self.encode([self.preprocess(samples[modality], modality)])
+            form = self.forms[modality]
+            form.width = int(warm.tensors[form.values_field].shape[1])
+            form.metadata_kinds = {name: (warm.tensors[name].dtype, warm.tensors[name].ndim)
+                                   for name in form.metadata_fields}
+            try:
+                self._check_embedding_input(warm, modality)
+            except ValueError:
+                if modality == "image":
+                    raise
+                logger.warning("%s: serving images without %s", self.vllm_config.model_config.architecture,
+                               modality, exc_info=True)
+        self.modalities = tuple(m for m in self.modalities if self.forms[m].width is not None)
 
     @torch.inference_mode()
-    def _check_embedding_input(self, features: Features) -> None:
+    def _check_embedding_input(self, features: Features, modality: str) -> None:
         """Give the model its own features back as an embedding input, the way vLLM's engine
         does for a request (parser, processor, batching, `embed_multimodal`): they must come
-        back unchanged. Families whose vLLM class takes no image embeddings fail here, at
-        start-up, rather than on every request."""
+        back unchanged. Families whose vLLM class takes no embeddings for a modality fail
+        here, at start-up, rather than on every request."""
         from vllm.config import set_current_vllm_config
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
         arch = self.vllm_config.model_config.architecture
+        form = self.forms[modality]
         try:
             # Dict input: vLLM's field config decides whether the values are one tensor of all
-            # images' rows (Qwen) or one tensor per image (MiniCPM-V); one image tells which.
-            if self._dict_input:
-                self._batched_values = not self._parses_as_one_image(features)
-            items = self._parse([features])
-            out = self.processor(self._image_prompt, items, hf_processor_mm_kwargs={})
+            # items' rows (Qwen) or one tensor per item (MiniCPM-V); one item tells which.
+            if form.dict_input:
+                form.batched_values = not self._parses_as_one(features, modality)
+            out = self.processor(self._prompts[modality], self._parse([features], modality), hf_processor_mm_kwargs={})
             with set_current_vllm_config(self.vllm_config):
-                (_, _, kwargs), = group_and_batch_mm_kwargs([("image", out["mm_kwargs"]["image"][0])],
+                (_, _, kwargs), = group_and_batch_mm_kwargs([(modality, out["mm_kwargs"][modality][0])],
                                                             device=self.vllm_config.device_config.device)
                 (back,) = self.model.embed_multimodal(**kwargs)
         except Exception as err:
-            raise ValueError(f"{arch}: vLLM does not take this model's image features back as image "
-                             f"embeddings ({type(err).__name__}: {err}), so Iris cannot serve it") from err
-        if not torch.equal(back.cpu(), features.tensors[self.values_field]):
-            raise ValueError(f"{arch}: vLLM changes image embeddings on input; Iris cannot serve it")
+            form.width = None
+            raise ValueError(f"{arch}: vLLM does not take this model's {modality} features back as "
+                             f"embeddings ({type(err).__name__}: {err}), so Iris cannot serve them") from err
+        if not torch.equal(back.cpu(), features.tensors[form.values_field]):
+            form.width = None
+            raise ValueError(f"{arch}: vLLM changes {modality} embeddings on input; Iris cannot serve them")
 
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
-        """Features of each image, in as few `embed_multimodal` calls as vLLM's batching allows."""
+        """Features of each item, in as few `embed_multimodal` calls as vLLM's batching allows."""
         from vllm.config import set_current_vllm_config
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
         device = self.vllm_config.device_config.device
         embeddings: list[torch.Tensor] = []
         with set_current_vllm_config(self.vllm_config):
-            for _, _, kwargs in group_and_batch_mm_kwargs([("image", p.item) for p in batch], device=device):
+            for _, _, kwargs in group_and_batch_mm_kwargs([(p.modality, p.item) for p in batch], device=device):
                 embeddings.extend(self.model.embed_multimodal(**kwargs))
         return [self._features(e, p) for e, p in zip(embeddings, batch)]
 
     def _features(self, embedding: torch.Tensor, pixels: PixelInputs) -> Features:
-        tensors = {self.values_field: embedding.detach().to("cpu").contiguous()}
-        for name in self.metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
-            tensors[name] = pixels.item[name].data.to("cpu") if name in pixels.item else pixels.metadata[name]
-        return Features(tensors, {"num_tokens": int(embedding.shape[0])})
+        form = self.forms[pixels.modality]
+        tensors = {form.values_field: embedding.detach().to("cpu").contiguous()}
+        for name in form.metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
+            value = pixels.item[name].data if name in pixels.item else pixels.metadata[name]
+            # Lists of numbers (Qwen3-VL's frame timestamps) as float64, which keeps their printed value.
+            tensors[name] = value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        meta = {"num_tokens": int(embedding.shape[0])}
+        if pixels.modality != "image":  # values stored before videos existed are images
+            meta["modality"] = pixels.modality
+        return Features(tensors, meta)
 
     def fingerprint(self) -> str:
-        """What shapes an image's features: the tower's and projector's weights (byte by byte),
-        the architecture and processor settings, the dtype. The language model is not in it."""
+        """What shapes an item's features: the tower's and projector's weights (byte by byte),
+        the architecture, processor and loader settings, the dtype. The language model is not in it."""
         if self._weights_digest is None:
             raise RuntimeError("load_encoder() before computing the fingerprint")
         root = Path(self.checkpoint)
-        parts = [json.dumps({"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs},
-                            sort_keys=True).encode()]
-        for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
+        settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs}
+        if self.media_io_kwargs:  # (absent, the fingerprints of image-only deployments stay as they were)
+            settings["media_io_kwargs"] = self.media_io_kwargs
+        parts = [json.dumps(settings, sort_keys=True).encode()]
+        for name in ("config.json", "preprocessor_config.json", "processor_config.json",
+                     "video_preprocessor_config.json"):
             if (root / name).is_file():
                 parts.append((root / name).read_bytes())
         if not (root / "config.json").is_file():  # a hub id: the resolved config instead
@@ -209,7 +289,7 @@ class VisionModel:
         return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
 
     def expected_fingerprint(self) -> str:
-        """The encoder's fingerprint (and feature width), for a process that does not
+        """The encoder's fingerprint (and feature widths), for a process that does not
         encode (the decoder): loads the tower, hashes it and drops it."""
         self.load_encoder()
         try:
@@ -218,49 +298,53 @@ class VisionModel:
             self.model = None
 
     # --- LLMDecode ----------------------------------------------------------------
-    def embedding_input(self, features: list[Features]) -> Any:
-        """`multi_modal_data["image"]` for these features, in prompt order."""
-        if not self._dict_input:
-            values = [f.tensors[self.values_field] for f in features]
-            # One [images, tokens, hidden] tensor where the images agree in size (LLaVA-1.5: always).
+    def embedding_input(self, features: list[Features], modality: str = "image") -> Any:
+        """`multi_modal_data[modality]` for these features, in prompt order."""
+        form = self.forms[modality]
+        values = [f.tensors[form.values_field] for f in features]
+        if not form.dict_input:
+            # One [items, tokens, hidden] tensor where the items agree in size (LLaVA-1.5: always).
             return torch.stack(values) if len({v.shape for v in values}) == 1 else values
-        values = [f.tensors[self.values_field] for f in features]
-        data = {self.values_field: values if self._batched_values else torch.cat(values)}
-        for name in self.metadata_fields:
+        data = {form.values_field: values if form.batched_values else torch.cat(values)}
+        for name in form.metadata_fields:
             data[name] = torch.stack([f.tensors[name] for f in features])
         return data
 
-    def _parses_as_one_image(self, features: Features) -> bool:
+    def _parses_as_one(self, features: Features, modality: str) -> bool:
         try:
-            return self._parse([features]).get_count("image", strict=False) == 1
+            return self._parse([features], modality).get_count(modality, strict=False) == 1
         except (ValueError, TypeError):
             return False
 
-    def _parse(self, features: list[Features]):
-        return self.processor.data_parser.parse_mm_data({"image": self.embedding_input(features)})
+    def _parse(self, features: list[Features], modality: str):
+        return self.processor.data_parser.parse_mm_data({modality: self.embedding_input(features, modality)})
 
     def feature_problem(self, features: Features) -> str | None:
-        """Why `features` cannot be this model's encoder output for one image, or None.
+        """Why `features` cannot be this model's encoder output for one item, or None.
         vLLM's own parser and processor judge them as it would a request's embeddings
         (hidden size, placeholder size from the metadata fields); Iris adds names and dtype."""
-        expected = {self.values_field, *self.metadata_fields}
+        modality = features.meta.get("modality", "image")
+        if modality not in self.modalities:
+            return f"{modality!r} features; this model serves {list(self.modalities)}"
+        form = self.forms[modality]
+        expected = {form.values_field, *form.metadata_fields}
         if set(features.tensors) != expected:
             return f"tensors {sorted(features.tensors)}, expected {sorted(expected)}"
-        values = features.tensors[self.values_field]
+        values = features.tensors[form.values_field]
         if values.dtype != self.dtype:
-            return f"{self.values_field} has dtype {values.dtype}, expected {self.dtype}"
+            return f"{form.values_field} has dtype {values.dtype}, expected {self.dtype}"
         if values.ndim != 2 or features.meta.get("num_tokens") != values.shape[0]:
-            return f"{self.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
-        if self.feature_width is not None and values.shape[1] != self.feature_width:
-            return f"{self.values_field} is {values.shape[1]} wide, this model's features {self.feature_width}"
-        for name, (dtype, ndim) in self._metadata_kinds.items():
+            return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
+        if form.width is not None and values.shape[1] != form.width:
+            return f"{form.values_field} is {values.shape[1]} wide, this model's features {form.width}"
+        for name, (dtype, ndim) in form.metadata_kinds.items():
             if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
                 return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
         try:
-            out = self.processor(self._image_prompt, self._parse([features]), hf_processor_mm_kwargs={})
-            (placeholder,) = out["mm_placeholders"]["image"]
+            out = self.processor(self._prompts[modality], self._parse([features], modality), hf_processor_mm_kwargs={})
+            (placeholder,) = out["mm_placeholders"][modality]
         except Exception as err:  # vLLM's validation: wrong hidden size, inconsistent grid, ...
-            return f"vLLM refuses them as image embeddings: {err}"
+            return f"vLLM refuses them as {modality} embeddings: {err}"
         if placeholder.get_num_embeds() != values.shape[0]:
             return f"{values.shape[0]} feature rows for a placeholder of {placeholder.get_num_embeds()} tokens"
         return None

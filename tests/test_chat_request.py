@@ -8,8 +8,8 @@ import pytest
 
 from pipeline.chat_request import (
     ChatMessage,
-    ImageInput,
-    ImagePlaceholder,
+    MediaInput,
+    MediaPlaceholder,
     TextPart,
     parse_chat_request,
 )
@@ -44,9 +44,9 @@ def body(messages=None, **kw):
     return b
 
 
-def fail(b, max_images=4) -> IrisError:
+def fail(b, max_images=4, max_videos=0) -> IrisError:
     with pytest.raises(IrisError) as ei:
-        parse_chat_request(b, max_images=max_images)
+        parse_chat_request(b, max_images=max_images, max_videos=max_videos)
     err = ei.value
     assert err.status_code == 400
     assert err.to_dict()["error"]["type"] == "invalid_request_error"
@@ -84,16 +84,16 @@ def test_full_multi_image_multi_message_request():
     s = p.sampling.to_sampling_params(64, {})  # vLLM's own conversion
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, s.n) == (64, 0.2, 0.9, 7, ["\n\n", "END"], 1)
     assert s.frequency_penalty == 0.5 and s.logprobs is None
-    assert p.images == [
-        ImageInput(index=0, url=IMG_A, uuid=None),
-        ImageInput(index=1, url=IMG_B, uuid="img-b"),
-        ImageInput(index=2, url=None, uuid="img-b"),
+    assert p.media == [
+        MediaInput(0, IMG_A, None, "image", 0),
+        MediaInput(1, IMG_B, "img-b", "image", 1),
+        MediaInput(2, None, "img-b", "image", 2),
     ]
     assert p.messages == [
         ChatMessage("system", [TextPart("You are terse.")]),
-        ChatMessage("user", [TextPart("Compare"), ImagePlaceholder(0), TextPart("with"), ImagePlaceholder(1)]),
+        ChatMessage("user", [TextPart("Compare"), MediaPlaceholder(0), TextPart("with"), MediaPlaceholder(1)]),
         ChatMessage("assistant", [TextPart("They differ.")]),
-        ChatMessage("user", [ImagePlaceholder(2), TextPart("and this one again?")]),
+        ChatMessage("user", [MediaPlaceholder(2), TextPart("and this one again?")]),
     ]
 
 
@@ -102,7 +102,7 @@ def test_defaults():
     assert p.model is None
     assert p.stream is False and p.include_usage is False
     assert p.sampling.max_tokens is None and p.sampling.seed is None and p.sampling.n == 1
-    assert p.images == []
+    assert p.media == []
     assert p.messages == [ChatMessage("user", [TextPart("hello")])]
 
 
@@ -232,7 +232,27 @@ def test_unsupported_part_type():
     err = fail(body([user(text("hi"), {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}})]))
     assert err.param == "messages[0].content[1].type"
     assert "input_audio" in err.message
-    assert "only 'text' and 'image_url'" in err.message
+    assert "only 'text', 'image_url' and 'video_url'" in err.message
+
+
+def test_videos_and_images_are_counted_apart_in_prompt_order():
+    video = lambda url=None, uuid=None: {"type": "video_url", "video_url": {"url": url} if url else None,
+                                         **({"uuid": uuid} if uuid else {})}
+    p = parse_chat_request(body([user(image(IMG_A), video("data:video/mp4;base64,AA=="), text("and"),
+                                      video(uuid="clip-1"), image(IMG_B))]), max_images=2, max_videos=2)
+    assert [(m.index, m.modality, m.ordinal, m.name, m.uuid) for m in p.media] == [
+        (0, "image", 0, "image[0]", None), (1, "video", 0, "video[0]", None), (2, "video", 1, "video[1]", "clip-1"),
+        (3, "image", 1, "image[1]", None)]
+    assert p.messages[0].parts[1] == MediaPlaceholder(1, "video")
+    err = fail(body([user(video(uuid="a"), video(uuid="b"))]), max_videos=1)
+    assert (err.param, err.code) == ("messages[0].content[1]", "too_many_videos")
+    assert "At most 1 video(s)" in err.message
+    err = fail(body([user(video(uuid="a"))]), max_videos=0)
+    assert err.code == "too_many_videos" and "takes no video" in err.message
+    err = fail(body([user(video())]), max_videos=1)
+    assert err.param == "messages[0].content[0].video_url" and "uuid" in err.message
+    err = fail(body([{"role": "assistant", "content": [video(uuid="a")]}]), max_videos=1)
+    assert "videos are only allowed in user messages" in err.message
 
 
 def test_text_part_without_text():
@@ -294,7 +314,7 @@ def test_uuid_too_long():
     assert "512" in err.message
     # exactly at the limit is fine
     p = parse_chat_request(body([user(image(uuid="u" * 512))]), max_images=1)
-    assert p.images[0].uuid == "u" * 512
+    assert p.media[0].uuid == "u" * 512
 
 
 def test_too_many_images():
@@ -305,7 +325,7 @@ def test_too_many_images():
     assert "limit-mm-per-prompt" in err.message
     assert err.param == "messages[1].content[1]"  # the first image past the limit
     # at the limit it passes
-    assert len(parse_chat_request(body(msgs), max_images=3).images) == 3
+    assert len(parse_chat_request(body(msgs), max_images=3).media) == 3
 
 
 def test_images_not_allowed_when_limit_zero():

@@ -105,7 +105,7 @@ def test_features_equal_the_engine_encoder_output(systems, image):
     from safetensors.torch import load_file
 
     from cache_service.keys import content_key
-    from pipeline.stage_io import ImageJob
+    from pipeline.stage_io import MediaJob
 
     family, dtype, _, app, vllm, ec_dir = systems
     marker = f"fid-{image}-{uuid.uuid4().hex[:8]}"
@@ -115,7 +115,7 @@ def test_features_equal_the_engine_encoder_output(systems, image):
     encoder = serve.get_deployment_handle("VisionEncoder", app_name=app)
     data = png_bytes(image)
     key = content_key(encoder.get_fingerprint.remote().result(), data, f"fidelity-{uuid.uuid4().hex[:8]}")
-    pixels = serve.get_deployment_handle("Preprocess", app_name=app).pixels.remote(ImageJob(0, key, data))
+    pixels = serve.get_deployment_handle("Preprocess", app_name=app).pixels.remote(MediaJob("image[0]", key, data))
     encoded = encoder.encode.remote(key, pixels).result()
     ours = ray.get(encoded.features_ref).tensors["image_embeds"]
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from pipeline.address_policy import FetchPolicy, is_public
 from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, fetch_client, load_image_bytes
+from pipeline.media import MediaLimits, fetch_client, load_media_bytes
 
 
 def _png() -> bytes:
@@ -144,7 +144,7 @@ def srv(servers):
 
 async def refused(url: str, limits: MediaLimits, client=None) -> IrisError:
     with pytest.raises(IrisError) as ei:
-        await load_image_bytes(url, limits, client)
+        await load_media_bytes(url, limits, client)
     err = ei.value
     assert err.status_code == 400 and err.code == "image_fetch_failed", err
     assert set(err.to_dict()["error"]) >= {"message", "type", "param", "code"}
@@ -172,7 +172,7 @@ async def test_loopback_refused_by_default_under_every_spelling(srv):
 async def test_reachable_only_when_its_cidr_is_allowed(srv):
     a, _, port, _ = srv
     url = f"http://127.0.0.1:{port}/ok.png"
-    assert await load_image_bytes(url, MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})) == PNG
+    assert await load_media_bytes(url, MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})) == PNG
     # Another loopback address is not covered by the exception.
     assert _is_refusal(await refused(url, MediaLimits(allowed_fetch_cidrs={"127.0.0.2/32"})))
     assert len(a.hits) == 1
@@ -181,7 +181,7 @@ async def test_reachable_only_when_its_cidr_is_allowed(srv):
 async def test_reachable_only_when_its_host_is_allowed(srv):
     a, _, port, _ = srv
     limits = MediaLimits(allowed_fetch_hosts={"localhost"})
-    assert await load_image_bytes(f"http://localhost:{port}/ok.png", limits) == PNG
+    assert await load_media_bytes(f"http://localhost:{port}/ok.png", limits) == PNG
     assert a.hits == [("/ok.png", f"localhost:{port}")]  # connected by address, Host header is still the name
     # The host exception is by name: the same server by address stays refused.
     assert _is_refusal(await refused(f"http://127.0.0.1:{port}/ok.png", limits))
@@ -192,7 +192,7 @@ async def test_redirect_from_allowed_server_to_disallowed_address_is_refused(srv
     a, b, port, port_b = srv
     limits = MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"}, fetch_timeout_s=2)
     # Redirect to an allowed place still works...
-    assert await load_image_bytes(f"http://127.0.0.1:{port}/to?http://127.0.0.1:{port}/ok.png", limits) == PNG
+    assert await load_media_bytes(f"http://127.0.0.1:{port}/to?http://127.0.0.1:{port}/ok.png", limits) == PNG
     # ...but not to another internal address, the metadata service, or IPv6 loopback.
     for target in (f"http://127.0.0.2:{port_b}/ok.png", "http://169.254.169.254/latest/meta-data/",
                    f"http://[::1]:{port}/ok.png", f"http://10.0.0.1:{port}/ok.png"):
@@ -207,7 +207,7 @@ async def test_redirect_checked_with_a_shared_client_too(srv):
     _, b, port, port_b = srv
     limits = MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})
     async with fetch_client(limits) as client:
-        assert await load_image_bytes(f"http://127.0.0.1:{port}/ok.png", limits, client) == PNG
+        assert await load_media_bytes(f"http://127.0.0.1:{port}/ok.png", limits, client) == PNG
         assert _is_refusal(await refused(f"http://127.0.0.1:{port}/to?http://127.0.0.2:{port_b}/ok.png",
                                          limits, client))
     assert b.hits == []
@@ -253,7 +253,7 @@ async def test_rebinding_name_cannot_slip_through(srv, monkeypatch):
 
     monkeypatch.setattr(loop, "getaddrinfo", rebinding)
     limits = MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})
-    assert await load_image_bytes(f"http://rebind.test:{port}/ok.png", limits) == PNG
+    assert await load_media_bytes(f"http://rebind.test:{port}/ok.png", limits) == PNG
     assert calls == ["rebind.test"]  # one lookup per connection: no second answer is ever used
     assert a.hits == [("/ok.png", f"rebind.test:{port}")] and b.hits == []
     # The next connection gets the internal answer, and is refused.

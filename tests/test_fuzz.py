@@ -22,7 +22,7 @@ from PIL import Image
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError
 from pipeline.json_body import parse_json_body
-from pipeline.media import MediaLimits, decode_image, load_image_bytes
+from pipeline.media import MediaLimits, decode_image, load_media_bytes
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)  # reproducible in CI; new inputs come from editing strategies
@@ -140,10 +140,10 @@ def check_parse(body, max_images: int = 4) -> ParsedChat | None:
         check_client_error(err)
         note(f"400 {err.code or err.param}")
         return None
-    note(f"ok, {len(chat.images)} image(s)")
+    note(f"ok, {len(chat.media)} image(s)")
     assert isinstance(chat, ParsedChat)
-    assert len(chat.images) <= max_images
-    assert [img.index for img in chat.images] == list(range(len(chat.images)))
+    assert len(chat.media) <= max_images
+    assert [img.index for img in chat.media] == list(range(len(chat.media)))
     # Everything we pass on must be sendable downstream (tokenizer, cache keys, JSON).
     for s in strings_of(chat):
         s.encode("utf-8")
@@ -384,7 +384,7 @@ def test_exif_rotation_gives_upright_pixels():
 
 async def check_load(url) -> bytes | None:
     try:
-        data = await load_image_bytes(url, LIMITS)
+        data = await load_media_bytes(url, LIMITS)
     except IrisError as err:
         check_client_error(err)
         return None

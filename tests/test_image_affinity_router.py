@@ -12,7 +12,7 @@ from ray.serve._private.common import DeploymentHandleSource, RequestMetadata
 from ray.serve._private.test_utils import FAKE_REPLICA_DEPLOYMENT_ID, FakeRunningReplica
 from ray.serve.request_router import PendingRequest
 
-from deployments.image_affinity_router import ImageAffinityRouter, request_image_keys
+from deployments.image_affinity_router import ImageAffinityRouter, request_media_keys
 from pipeline.stage_io import DecodeRequest
 
 MAX_ONGOING = 4
@@ -36,7 +36,7 @@ def _decode_request(image_keys):
     """A real DecodeRequest, whatever its other fields are today."""
     values = {f.name: None for f in dataclasses.fields(DecodeRequest)
               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return DecodeRequest(**{**values, "image_keys": image_keys})
+    return DecodeRequest(**{**values, "media_keys": image_keys})
 
 
 async def _route(router, image_keys):
@@ -94,11 +94,11 @@ async def test_text_only_requests_are_spread():
 async def test_image_keys_are_read_defensively():  # in a loop, as in Serve's router
     pending = lambda *args, **kwargs: PendingRequest(  # noqa: E731
         args=list(args), kwargs=kwargs, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
-    assert request_image_keys(pending(_decode_request(["a", "b"]))) == ["a", "b"]
-    assert request_image_keys(pending(request=SimpleNamespace(image_keys=["k"]))) == ["k"]
-    assert request_image_keys(pending({"image_keys": ["d"]})) == ["d"]
-    assert request_image_keys(pending("text", 3)) == []
-    assert request_image_keys(None) == []
+    assert request_media_keys(pending(_decode_request(["a", "b"]))) == ["a", "b"]
+    assert request_media_keys(pending(request=SimpleNamespace(media_keys=["k"]))) == ["k"]
+    assert request_media_keys(pending({"media_keys": ["d"]})) == ["d"]
+    assert request_media_keys(pending("text", 3)) == []
+    assert request_media_keys(None) == []
 
 
 @pytest.mark.parametrize("kwargs", [{"max_load_factor": 0.5}, {"max_load_factor": "1.5"}, {"imbalance": 3}])

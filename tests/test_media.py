@@ -1,4 +1,4 @@
-"""load_image_bytes and decode_image: formats, limits, conversions, and http
+"""load_media_bytes and decode_image: formats, limits, conversions, and http
 fetching against a local server on 127.0.0.1 (never any other address)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, decode_image, fetch_client, load_image_bytes, to_rgb
+from pipeline.media import MediaLimits, decode_image, fetch_client, load_media_bytes, to_rgb
 
 LIMITS = MediaLimits()
 
@@ -80,7 +80,7 @@ def test_media_limits_defaults_and_validation():
 )
 async def test_data_url_roundtrip(fmt, mime, kw):
     raw = encode(noise((40, 30)), fmt, **kw)
-    data = await load_image_bytes(data_url(raw, mime), LIMITS)
+    data = await load_media_bytes(data_url(raw, mime), LIMITS)
     assert data == raw
     img = decode_image(data, LIMITS)
     assert img.mode == "RGB" and img.size == (40, 30)
@@ -88,51 +88,51 @@ async def test_data_url_roundtrip(fmt, mime, kw):
 
 async def test_data_url_exact_pixels_png():
     src = Image.new("RGB", (3, 2), (10, 200, 30))
-    img = decode_image(await load_image_bytes(data_url(encode(src, "PNG")), LIMITS), LIMITS)
+    img = decode_image(await load_media_bytes(data_url(encode(src, "PNG")), LIMITS), LIMITS)
     assert img.getpixel((2, 1)) == (10, 200, 30)
 
 
 async def test_data_url_invalid_base64():
-    err = await expect_error(load_image_bytes("data:image/png;base64,iVBOR$$w0KGgo=", LIMITS), "invalid_image")
+    err = await expect_error(load_media_bytes("data:image/png;base64,iVBOR$$w0KGgo=", LIMITS), "invalid_image")
     assert "base64" in err.message
 
 
 async def test_data_url_base64_bad_padding():
-    await expect_error(load_image_bytes("data:image/png;base64,iVBORw0KGg", LIMITS), "invalid_image")
+    await expect_error(load_media_bytes("data:image/png;base64,iVBORw0KGg", LIMITS), "invalid_image")
 
 
 async def test_data_url_whitespace_rejected_strictly():
     b64 = base64.b64encode(PNG).decode()
-    await expect_error(load_image_bytes(f"data:image/png;base64,{b64[:20]}\n{b64[20:]}", LIMITS), "invalid_image")
+    await expect_error(load_media_bytes(f"data:image/png;base64,{b64[:20]}\n{b64[20:]}", LIMITS), "invalid_image")
 
 
 async def test_data_url_not_base64():
-    await expect_error(load_image_bytes("data:image/png,rawbytes", LIMITS), "invalid_image_url")
+    await expect_error(load_media_bytes("data:image/png,rawbytes", LIMITS), "invalid_image_url")
 
 
 async def test_data_url_no_comma():
-    await expect_error(load_image_bytes("data:image/png;base64", LIMITS), "invalid_image_url")
+    await expect_error(load_media_bytes("data:image/png;base64", LIMITS), "invalid_image_url")
 
 
 async def test_data_url_wrong_media_type():
-    await expect_error(load_image_bytes(data_url(PNG, "text/plain"), LIMITS), "invalid_image_url")
+    await expect_error(load_media_bytes(data_url(PNG, "text/plain"), LIMITS), "invalid_image_url")
 
 
 async def test_data_url_empty_payload():
-    await expect_error(load_image_bytes("data:image/png;base64,", LIMITS), "invalid_image")
+    await expect_error(load_media_bytes("data:image/png;base64,", LIMITS), "invalid_image")
 
 
 async def test_data_url_too_large_checked_before_decoding():
     limits = MediaLimits(max_image_bytes=1000)
     # Not even valid base64: if it were decoded first we would see invalid_image.
-    err = await expect_error(load_image_bytes("data:image/png;base64," + "!!!!" * 1000, limits), "image_too_large")
+    err = await expect_error(load_media_bytes("data:image/png;base64," + "!!!!" * 1000, limits), "image_too_large")
     assert "1000" in err.message
 
 
 async def test_data_url_size_boundary():
     limits = MediaLimits(max_image_bytes=1000)
-    assert len(await load_image_bytes(data_url(b"x" * 1000), limits)) == 1000
-    await expect_error(load_image_bytes(data_url(b"x" * 1001), limits), "image_too_large")
+    assert len(await load_media_bytes(data_url(b"x" * 1000), limits)) == 1000
+    await expect_error(load_media_bytes(data_url(b"x" * 1001), limits), "image_too_large")
 
 
 @pytest.mark.parametrize(
@@ -140,19 +140,19 @@ async def test_data_url_size_boundary():
     ["file:///etc/passwd", "FILE:///etc/hosts", "ftp://127.0.0.1/a.png", "/etc/passwd", "img.png", "c:\\img.png", ""],
 )
 async def test_other_schemes_rejected(url):
-    await expect_error(load_image_bytes(url, LIMITS), "invalid_image_url")
+    await expect_error(load_media_bytes(url, LIMITS), "invalid_image_url")
 
 
 async def test_http_disabled():
     err = await expect_error(
-        load_image_bytes("http://127.0.0.1:9/x.png", MediaLimits(allow_http=False)), "invalid_image_url"
+        load_media_bytes("http://127.0.0.1:9/x.png", MediaLimits(allow_http=False)), "invalid_image_url"
     )
     assert "disabled" in err.message
 
 
 async def test_param_is_carried():
     err = await expect_error(
-        load_image_bytes("file:///x", LIMITS, param="messages[0].content[1].image_url.url"), "invalid_image_url"
+        load_media_bytes("file:///x", LIMITS, param="messages[0].content[1].image_url.url"), "invalid_image_url"
     )
     assert err.param == "messages[0].content[1].image_url.url"
 
@@ -392,50 +392,50 @@ async def client():
 
 
 async def test_http_ok_default_client(server):
-    data = await load_image_bytes(f"{server}/ok.png", LOOPBACK)
+    data = await load_media_bytes(f"{server}/ok.png", LOOPBACK)
     assert data == PNG
     assert decode_image(data, LIMITS).size == (64, 48)
 
 
 async def test_http_ok_shared_client(server, client):
-    assert await load_image_bytes(f"{server}/ok.png", LOOPBACK, client) == PNG
-    assert await load_image_bytes(f"{server}/redirect", LOOPBACK, client) == PNG
+    assert await load_media_bytes(f"{server}/ok.png", LOOPBACK, client) == PNG
+    assert await load_media_bytes(f"{server}/redirect", LOOPBACK, client) == PNG
 
 
 async def test_http_404(server, client):
-    err = await expect_error(load_image_bytes(f"{server}/missing.png", LOOPBACK, client), "image_fetch_failed")
+    err = await expect_error(load_media_bytes(f"{server}/missing.png", LOOPBACK, client), "image_fetch_failed")
     assert "did not return the image" in err.message and "404" not in err.message
 
 
 async def test_http_500(server, client):
-    err = await expect_error(load_image_bytes(f"{server}/error", LOOPBACK, client), "image_fetch_failed")
+    err = await expect_error(load_media_bytes(f"{server}/error", LOOPBACK, client), "image_fetch_failed")
     assert "did not return the image" in err.message and "500" not in err.message and "oops" not in err.message
 
 
 async def test_http_redirect_limit(server, client):
     limits = MediaLimits(max_redirects=3, allowed_fetch_cidrs={"127.0.0.0/8"})
-    assert await load_image_bytes(f"{server}/chain/2", limits, client) == PNG  # 3 redirects
-    err = await expect_error(load_image_bytes(f"{server}/chain/3", limits, client), "image_fetch_failed")
+    assert await load_media_bytes(f"{server}/chain/2", limits, client) == PNG  # 3 redirects
+    err = await expect_error(load_media_bytes(f"{server}/chain/3", limits, client), "image_fetch_failed")
     assert "redirects" in err.message
 
 
 async def test_http_redirect_to_file_rejected(server, client):
-    await expect_error(load_image_bytes(f"{server}/to-file", LOOPBACK, client), "image_fetch_failed")
+    await expect_error(load_media_bytes(f"{server}/to-file", LOOPBACK, client), "image_fetch_failed")
 
 
 async def test_http_empty_body(server, client):
-    await expect_error(load_image_bytes(f"{server}/empty", LOOPBACK, client), "image_fetch_failed")
+    await expect_error(load_media_bytes(f"{server}/empty", LOOPBACK, client), "image_fetch_failed")
 
 
 async def test_http_declared_too_large(server, client):
-    await expect_error(load_image_bytes(f"{server}/declared-huge", LOOPBACK, client), "image_too_large")
+    await expect_error(load_media_bytes(f"{server}/declared-huge", LOOPBACK, client), "image_too_large")
 
 
 async def test_http_too_large_stops_early(server, client):
     limits = MediaLimits(max_image_bytes=1024 * 1024, allowed_fetch_cidrs={"127.0.0.0/8"})
     _Handler.big_sent["bytes"] = 0
     _Handler.big_sent["done"].clear()
-    await expect_error(load_image_bytes(f"{server}/endless", limits, client), "image_too_large")
+    await expect_error(load_media_bytes(f"{server}/endless", limits, client), "image_too_large")
     assert _Handler.big_sent["done"].wait(10), "server kept sending after we gave up"
     # Socket buffers absorb a few MiB at most; the full body is 64 MiB.
     assert _Handler.big_sent["bytes"] < 32 * 1024 * 1024
@@ -444,7 +444,7 @@ async def test_http_too_large_stops_early(server, client):
 async def test_http_slow_server_times_out(server, client):
     t0 = time.monotonic()
     err = await expect_error(
-        load_image_bytes(f"{server}/slow", MediaLimits(fetch_timeout_s=0.5, allowed_fetch_cidrs={"127.0.0.0/8"}), client), "image_fetch_failed"
+        load_media_bytes(f"{server}/slow", MediaLimits(fetch_timeout_s=0.5, allowed_fetch_cidrs={"127.0.0.0/8"}), client), "image_fetch_failed"
     )
     assert time.monotonic() - t0 < 2.0
     assert "timed out" in err.message
@@ -455,5 +455,5 @@ async def test_http_connection_refused():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Nothing listens on the port now.
-    err = await expect_error(load_image_bytes(f"http://127.0.0.1:{port}/x.png", LOOPBACK), "image_fetch_failed")
+    err = await expect_error(load_media_bytes(f"http://127.0.0.1:{port}/x.png", LOOPBACK), "image_fetch_failed")
     assert "could not connect" in err.message

@@ -20,6 +20,7 @@ to a log file whose tail is shown when it fails to start.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import socket
@@ -51,7 +52,12 @@ class EngineSettings:
     dtype: str
     max_model_len: int = 2048
     max_images: int = 4
+    max_videos: int = 0  # videos per prompt, for checkpoints that take video
     vllm_args: tuple[str, ...] = ()  # extra `vllm serve` arguments (the vllm system only)
+
+
+    def mm_limits(self) -> dict[str, int]:
+        return {"image": self.max_images, **({"video": self.max_videos} if self.max_videos else {})}
 
 
 def free_port() -> int:
@@ -123,6 +129,7 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
     app["runtime_env"] = {"env_vars": dict(ENV)}
     args = app["args"]
     args.update(model=engine.checkpoint, served_model_name=SERVED_NAME, max_images_per_prompt=engine.max_images,
+                max_videos_per_prompt=engine.max_videos,
                 dtype=engine.dtype)
     args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len}
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
@@ -152,7 +159,7 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
         # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
         "placement_group_config": {"bundles": [{"CPU": 1}]},
         "engine_kwargs": {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
-                          "enable_prefix_caching": True, "limit_mm_per_prompt": {"image": engine.max_images}},
+                          "enable_prefix_caching": True, "limit_mm_per_prompt": engine.mm_limits()},
         "deployment_config": deployment_config,
     }
     return {
@@ -255,7 +262,7 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
-               "--enable-prefix-caching", "--limit-mm-per-prompt", f'{{"image": {engine.max_images}}}',
+               "--enable-prefix-caching", "--limit-mm-per-prompt", json.dumps(engine.mm_limits()),
                *engine.vllm_args]
         procs.append(_spawn(cmd, log, vllm_cpu_binding(i, replicas)))
         logs.append(log)

@@ -55,7 +55,7 @@ SERVED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.served)
 SIZES = ("tiny", "bench")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images
 
 
 def available() -> list[tuple[str, str]]:

@@ -17,6 +17,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
@@ -79,7 +80,10 @@ def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
         min_pixels=unit * unit * 4, max_pixels=spec.image_size * spec.image_size,
         patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2,
     )
-    video_processor = Qwen2VLVideoProcessor(patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2)
+    video_processor = Qwen2VLVideoProcessor(  # frames as small as the images
+        size={"shortest_edge": unit * unit * 4, "longest_edge": spec.image_size * spec.image_size},
+        patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2, cap_pixels_per_frame=True,
+    )
     processor = processor_cls(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
