@@ -74,6 +74,12 @@ FULL = [
     # vLLM's own client, as in issue 8: 60 requests, concurrency 4, then the same images again.
     LoadPoint("random_mm", 60, concurrency=4), LoadPoint("random_mm", 60, concurrency=4, options={"again": True}),
 ]
+# Video (a checkpoint that takes video, e.g. --model builtin:bench-qwen2-vl): new clips, the same clip
+# again, and conversations about one clip. Chosen with --points or --video.
+VIDEO = [
+    LoadPoint("video_unique", 8, concurrency=1), LoadPoint("video_repeat", 12, concurrency=1),
+    LoadPoint("video_multiturn", 12, concurrency=1),
+]
 QUICK = [
     LoadPoint("unique", 8, concurrency=1), LoadPoint("repeat", 8, concurrency=1),
     LoadPoint("zipf", 24, concurrency=4, sweep=True), LoadPoint("upload_free", 12, concurrency=4),
@@ -173,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Iris, Ray Serve LLM and vllm serve, 1 replica, "
                         "a few points: under 10 minutes")
+    parser.add_argument("--video", action="store_true", help="the video points only (a model that takes video)")
     parser.add_argument("--model", default="builtin:bench-llava", help="any Iris model reference")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
     parser.add_argument("--replicas", help="decode replica counts, e.g. 1,2 (default: 1,2; --quick: 1)")
@@ -205,16 +212,17 @@ def run_comparison(args, command: str) -> dict:
     names = (args.systems.split(",") if args.systems else
              ["iris", "rayllm", "vllm"] if args.quick else list(systems.SYSTEMS))
     replica_counts = [int(x) for x in (args.replicas or ("1" if args.quick else "1,2")).split(",")]
-    plan = QUICK if args.quick else FULL
+    plan = VIDEO if args.video else QUICK if args.quick else FULL
     if args.points:
         wanted = set(args.points.split(","))
-        plan = [p for p in plan + [p for p in FULL + QUICK if p not in plan] if p.name in wanted]
+        plan = [p for p in plan + [p for p in FULL + QUICK + VIDEO if p not in plan] if p.name in wanted]
         plan = list({p.name: p for p in plan}.values())
     plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep)
             for p in plan]
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)
-    engine = systems.EngineSettings(checkpoint, dtype)
+    videos = any(p.workload.startswith("video_") for p in plan)
+    engine = systems.EngineSettings(checkpoint, dtype, max_videos=1 if videos else 0)
     factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
     image_chars = image_prompt_chars(checkpoint, args.small_px)
     out_dir = Path(args.out_dir)

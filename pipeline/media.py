@@ -358,11 +358,11 @@ def check_video(data: bytes, limits: MediaLimits, *, param: str | None = None) -
         cap = OpenCVVideoBackendMixin.open_video_capture(data)
     except Exception:  # any parser failure on untrusted bytes is the client's problem
         raise bad_request("data is not a video this server can read", param, "invalid_video") from None
-    try:
-        width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
-    finally:
-        cap.release()
+    # No cap.release(): with a Python stream source it crashes the process off the main thread
+    # (OpenCV 4.x calls back into Python without the GIL); dropping the reference closes it.
+    width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
+    del cap
     if width <= 0 or height <= 0 or frames <= 0:
         raise bad_request(f"video has no readable frames ({width}x{height}, {frames} frames)", param, "invalid_video")
     for value, limit, what, knob in (

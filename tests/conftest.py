@@ -63,7 +63,7 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
             ec_dir = tmp_path_factory.mktemp(f"ec-{family}-{dtype}")
             ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
                   "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
-            engine = EngineSettings(tiny_checkpoint(family), dtype, 2048, 2,
+            engine = EngineSettings(tiny_checkpoint(family), dtype, 2048, 2, 1,
                                     ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)))
             running[(family, dtype)] = (_start_vllm(1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(),
                                                     600), ec_dir)

@@ -4,7 +4,8 @@ For each served built-in family (and one in bf16) one Iris app and one vLLM Open
 server run side by side. The server is monolithic (its own processor and tower) and
 also writes its encoder's output per image through vLLM's `ECExampleConnector`
 (`ec_role: ec_both`), so one engine gives both references:
-- greedy tokens: one image, two image sizes, two images in one prompt;
+- greedy tokens: one image, two image sizes, two images in one prompt; one video, and a
+  video with an image, for the families whose built-in takes video;
 - features: what Iris's VisionEncoder computed for an image against the engine's
   own encoder output for it (max abs difference <= 1e-5).
 """
@@ -22,6 +23,7 @@ from ray import serve
 
 from pipeline.models.builtin import BUILDERS, SERVED_FAMILIES
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.videos import clip_bytes
 
 from bench.harness.systems import SERVED_NAME as NAME  # the served model name of both systems
 CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall", "wide"]}
@@ -29,6 +31,10 @@ FEATURE_TOLERANCE = 1e-5
 # Each at its checkpoint's dtype: float32, except the families with Qwen3.5's hybrid language
 # model (Qwen3.5, MiniCPM-V 4.6), whose linear attention vLLM runs on the CPU in bfloat16 only.
 VARIANTS = [(family, BUILDERS[family].specs["tiny"].dtype) for family in SERVED_FAMILIES]
+# Families whose built-in Iris serves video for: vLLM takes their video features back as embeddings
+# and the built-in chat template places videos. The others answer a video with a 400.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["square"])}
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
@@ -60,8 +66,9 @@ def systems(request, serve_instance, tiny_checkpoint, vllm_server):
         _delete_namespace(namespace)
 
 
-def _chat(base: str, images: list[str], uuids: list[str] | None = None) -> dict:
-    parts = []
+def _chat(base: str, images: list[str], uuids: list[str] | None = None, videos: tuple[str, ...] = (),
+          status: int = 200) -> dict:
+    parts = [{"type": "video_url", "video_url": {"url": data_url(clip_bytes(name), "video/mp4")}} for name in videos]
     for i, name in enumerate(images):
         part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(name))}}
         if uuids:
@@ -70,8 +77,12 @@ def _chat(base: str, images: list[str], uuids: list[str] | None = None) -> dict:
     body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True,
             "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}]}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
     return r.json()
+
+
+def _scored(reply: dict) -> list[tuple[str, float]]:
+    return [(t["token"], t["logprob"]) for t in reply["choices"][0]["logprobs"]["content"]]
 
 
 def _tokens(reply: dict) -> list[tuple[str, list[int]]]:
@@ -89,15 +100,25 @@ def test_greedy_tokens_equal_vllm_serve(systems, case):
         assert ours["usage"][field] == theirs["usage"][field], (family, case, field)
 
 
+@pytest.mark.parametrize("case", VIDEO_CASES)
+def test_video_greedy_tokens_equal_vllm_serve(systems, case):
+    family, dtype, iris, _, vllm, _ = systems
+    videos, images = VIDEO_CASES[case]
+    if family not in VIDEO_FAMILIES:
+        assert _chat(iris, images, videos=videos, status=400)["error"]["type"] == "invalid_request_error"
+        return
+    ours, theirs = _chat(iris, images, videos=videos), _chat(vllm, images, videos=videos)
+    assert _tokens(ours) == _tokens(theirs), (family, dtype, case)
+    for field in ("prompt_tokens", "completion_tokens"):
+        assert ours["usage"][field] == theirs["usage"][field], (family, case, field)
+    assert _scored(ours) != _scored(_chat(iris, images, videos=("other",)))  # the clip matters (logprobs at least)
+
+
 def test_greedy_output_depends_on_the_image(systems):
     """Otherwise the token comparison above would prove nothing about the features: another
     image changes the tokens or, where the tiny model's greedy tokens coincide, their logprobs."""
     _, _, iris, _, _, _ = systems
-
-    def scored(reply: dict) -> list[tuple[str, float]]:
-        return [(t["token"], t["logprob"]) for t in reply["choices"][0]["logprobs"]["content"]]
-
-    assert scored(_chat(iris, ["square"])) != scored(_chat(iris, ["wide"]))
+    assert _scored(_chat(iris, ["square"])) != _scored(_chat(iris, ["wide"]))
 
 
 @pytest.mark.parametrize("image", ["square", "wide"])

@@ -13,6 +13,7 @@ from PIL import Image
 from ray import serve
 
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.videos import clip_bytes
 
 # One family of each embedding form (one tensor per image; Qwen's embeddings + patch grid);
 # every served family against `vllm serve` is tests/test_families.py.
@@ -33,7 +34,9 @@ def app(request, serve_instance, tiny_checkpoint):
         "max_images_per_prompt": 2,
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
         "cache": {"namespace": namespace, "ttl_s": 3600},
-        "media": {"max_image_bytes": 200_000},
+        # Videos: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
+        "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
+                  "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
         "tenant_header": "X-Iris-Tenant",  # the tests play the trusted gateway
     }
     _NAMESPACES[name] = namespace
@@ -412,3 +415,169 @@ def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
                   .generate.remote(request))
     assert len(chunks) == 1 and chunks[0].missing_keys == [key] and not chunks[0].error
     assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
+
+
+# --- video (tiny Qwen2-VL; LLaVA-1.5 takes none) ---------------------------------------------
+
+video_app = pytest.mark.parametrize("app", ["qwen2_vl"], indirect=True)
+
+
+def _video_part(url: str | None, uid: str | None = None) -> dict:
+    part = {"type": "video_url", "video_url": {"url": url} if url else None}
+    if uid is not None:
+        part["uuid"] = uid
+    return part
+
+
+def _unique_clip(**override) -> bytes:
+    return clip_bytes(seed=uuid.uuid4().int % 2**32, **override)
+
+
+@pytest.mark.parametrize("app", ["llava"], indirect=True)
+def test_video_to_a_model_without_video_is_400(app):
+    _, base, name = app
+    before = _work_counts(name)
+    r = _chat(base, [_video_part(data_url(clip_bytes(), "video/mp4"))])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "unsupported_video" and "takes no video" in r.json()["error"]["message"]
+    assert _work_counts(name) == before
+
+
+@video_app
+def test_video_data_url_is_encoded_once_then_cached(app):
+    _, base, name = app
+    url = data_url(_unique_clip(), "video/mp4")
+    before = _work_counts(name)
+    first = _chat(base, [_video_part(url)])
+    assert first.status_code == 200, first.text
+    assert first.headers["x-iris-images"] == "cached=0,computed=1"
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+    second = _chat(base, [_video_part(url)])
+    assert second.headers["x-iris-images"] == "cached=1,computed=0"
+    assert _work_counts(name) == (before[0] + 1, before[1] + 1)
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+
+
+@video_app
+def test_video_by_http_url_and_with_an_image(app):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    _, base, name = app
+    clip = _unique_clip()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.send_header("Content-Length", str(len(clip)))
+            self.end_headers()
+            self.wfile.write(clip)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/clip.mp4"
+        by_http = _chat(base, [_video_part(url), _image_part(data_url(_unique_png()))])
+        assert by_http.status_code == 200, by_http.text
+        assert by_http.headers["x-iris-images"] == "cached=0,computed=2"
+        # The same bytes inline: the same content key, so no work at all.
+        before = _work_counts(name)
+        inline = _chat(base, [_video_part(data_url(clip, "video/mp4"))])
+        assert inline.status_code == 200 and inline.headers["x-iris-images"] == "cached=1,computed=0"
+        assert _work_counts(name) == before
+    finally:
+        httpd.shutdown()
+
+
+@video_app
+def test_upload_free_video_hit_and_miss(app):
+    _, base, name = app
+    uid = f"clip-{uuid.uuid4().hex}"
+    first = _chat(base, [_video_part(data_url(_unique_clip(), "video/mp4"), uid)])
+    assert first.status_code == 200, first.text
+    before = _work_counts(name)
+    free = _chat(base, [_video_part(None, uid)])
+    assert free.status_code == 200, free.text
+    assert free.headers["x-iris-images"] == "cached=1,computed=0"
+    assert free.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    # The uuid names a video: an image part with it is another item (vLLM's uuids are per modality).
+    as_image = _chat(base, [_image_part(None, uid)])
+    assert as_image.status_code == 409 and as_image.json()["error"]["missing"] == [0]
+    miss = _chat(base, [_image_part(data_url(_unique_png())), _video_part(None, f"never-{uuid.uuid4().hex}")])
+    assert miss.status_code == 409, miss.text
+    assert miss.json()["error"]["code"] == "mm_cache_miss" and miss.json()["error"]["missing"] == [1]
+    assert _work_counts(name) == before
+
+
+BAD_VIDEOS = {
+    "not a video": (lambda: b"this is plain text, not a video", "invalid_video", "video"),
+    "truncated": (lambda: _unique_clip()[:3000], "invalid_video", "video"),
+    "too many bytes": (lambda: _unique_clip() + b"\0" * 3_000_000, "video_too_large", "max_video_bytes"),
+    "too long": (lambda: _unique_clip(frames=4, fps=0.005), "video_too_large", "max_video_duration_s"),
+    "too many frames": (lambda: _unique_clip(frames=10_001, width=16, height=16, fps=30.0), "video_too_large",
+                        "max_video_frames"),
+}
+
+
+@video_app
+@pytest.mark.parametrize("case", list(BAD_VIDEOS))
+def test_bad_video_is_400_naming_the_limit(app, case):
+    _, base, name = app
+    make, code, named = BAD_VIDEOS[case]
+    before = _work_counts(name)
+    r = _chat(base, [_video_part(data_url(make(), "video/mp4"))])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and named in error["message"] and error["param"] == "video[0]", error
+    assert _work_counts(name)[1] == before[1]  # nothing reached the encoder
+    ok = _chat(base, [_video_part(data_url(_unique_clip(), "video/mp4"))])  # the replica is fine
+    assert ok.status_code == 200, ok.text
+
+
+@video_app
+def test_concurrent_burst_of_one_new_clip_encodes_it_once(app):
+    import asyncio
+
+    _, base, name = app
+    url = data_url(_unique_clip(), "video/mp4")
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"messages": [{"role": "user", "content": [_video_part(url), {"type": "text", "text": "hi"}]}],
+                    "max_tokens": 2, "temperature": 0}
+            return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=body) for _ in range(12)))
+
+    before = _work_counts(name)
+    replies = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    preprocessed, encoded = (after - b for after, b in zip(_work_counts(name), before))
+    assert preprocessed == 1 and encoded / 1 == 1.0
+
+
+@video_app
+def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
+    """A clip whose decoding takes a while; the client gives up while Preprocess decodes it.
+    The encoder never sees it, and every stage is idle again within 5 s."""
+    import time
+
+    _, base, name = app
+    # 40 s of 640x480 (1.8 MB): ~1 s to decode and process here, the client leaves after 0.3 s.
+    clip = _unique_clip(frames=1200, width=640, height=480, fps=30.0, smooth=True)
+    before = _work_counts(name)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base}/v1/chat/completions", timeout=0.3, json={
+            "messages": [{"role": "user", "content": [_video_part(data_url(clip, "video/mp4"))]}], "max_tokens": 4})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = (_stats(name, "Preprocess")["preprocessing"], _stats(name, "VisionEncoder")["encoding"],
+                _stats(name, "LLMDecode")["generating"])
+        if busy == (0, 0, 0):
+            break
+        time.sleep(0.1)
+    assert busy == (0, 0, 0)
+    assert _work_counts(name)[1] == before[1]  # the encoder never ran for it

@@ -16,6 +16,9 @@ demand, so a spec is cheap to hold and its bytes are identical on every run.
     text         no image, a prompt of about the same length as the others' text
     text_as_image  no image, a prompt as long as an image prompt in tokens (the
                  baseline a cached image's TTFT is held against)
+    video_unique     a new clip every request
+    video_repeat     the same clip every request, a new question each time
+    video_multiturn  conversations of several turns about one clip
 """
 
 from __future__ import annotations
@@ -50,9 +53,25 @@ class ImageSpec:
 
 
 @dataclass(frozen=True)
+class VideoSpec:
+    """An MPEG-4 clip of moving smooth pictures (OpenCV's mp4v, as vLLM's loader reads it)."""
+
+    seed: int
+    width: int = 320
+    height: int = 240
+    frames: int = 32
+    fps: float = 8.0
+
+    @property
+    def data_url(self) -> str:
+        return _video_data_url(self.seed, self.width, self.height, self.frames, self.fps)
+
+
+@dataclass(frozen=True)
 class Turn:
     text: str
     image: ImageSpec | None = None
+    video: VideoSpec | None = None
 
 
 @dataclass
@@ -75,8 +94,10 @@ class Workload:
 
     @property
     def distinct_images(self) -> int:
+        """Distinct images and clips."""
         return len({(t.image.seed, t.image.width, t.image.height, t.image.fmt)
-                    for c in self.conversations for t in c.turns if t.image is not None})
+                    for c in self.conversations for t in c.turns if t.image is not None} |
+                   {t.video for c in self.conversations for t in c.turns if t.video is not None})
 
 
 def _photo(seed: int, width: int, height: int) -> np.ndarray:
@@ -98,6 +119,23 @@ def _data_url(seed: int, width: int, height: int, fmt: str) -> str:
     else:
         image.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@functools.lru_cache(maxsize=64)
+def _video_data_url(seed: int, width: int, height: int, frames: int, fps: float) -> str:
+    import tempfile
+    from pathlib import Path
+
+    import cv2
+
+    base = _photo(seed, width, height)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "clip.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        for i in range(frames):  # a slow pan, so that frames differ
+            writer.write(np.roll(base, 3 * i, axis=1))
+        writer.release()
+        return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 def _text(rng: random.Random, words: int, min_chars: int = 0) -> str:
@@ -211,10 +249,36 @@ class WorkloadFactory:
         return Workload("text_as_image", convs, self.max_tokens,
                         f"text only, {image_chars} characters more (an image's tokens)", {"image_chars": image_chars})
 
+    # --- video --------------------------------------------------------------------
+    def _clip(self, name: str, i: int) -> VideoSpec:
+        return VideoSpec(self._image_seed(name, i))
+
+    def video_unique(self, n: int) -> Workload:
+        rng = self._rng("video_unique")
+        convs = [Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_unique", i))])
+                 for i in range(n)]
+        return Workload("video_unique", convs, self.max_tokens, "a new clip every request")
+
+    def video_repeat(self, n: int) -> Workload:
+        rng = self._rng("video_repeat")
+        convs = [Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_repeat", 0))])
+                 for _ in range(n)]
+        return Workload("video_repeat", convs, self.max_tokens, "the same clip every request, a new question each time")
+
+    def video_multiturn(self, n: int, turns: int = 3) -> Workload:
+        rng = self._rng("video_multiturn")
+        convs = [Conversation([Turn(_text(rng, self.prompt_words // 2),
+                                    video=self._clip("video_multiturn", c) if t == 0 else None)
+                               for t in range(turns)]) for c in range((n + turns - 1) // turns)]
+        return Workload("video_multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one clip",
+                        {"turns": turns})
+
 
 def chat_messages(history: list[dict], turn: Turn, with_bytes: bool) -> list[dict]:
     """The messages of one request: the conversation so far plus this turn's user message."""
     content: list[dict] = []
+    if turn.video is not None:
+        content.append({"type": "video_url", "video_url": {"url": turn.video.data_url}})
     if turn.image is not None:
         part: dict = {"type": "image_url",
                       "image_url": {"url": turn.image.data_url} if with_bytes else None}

@@ -1,0 +1,33 @@
+"""Deterministic test clips: tiny MPEG-4 videos made with OpenCV (installed with vLLM)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+# (frames, width, height, fps, seed)
+CLIPS = {"clip": (8, 96, 80, 4.0, 1), "other": (8, 96, 80, 4.0, 2), "long": (12, 64, 112, 6.0, 3)}
+
+
+def clip_bytes(name: str = "clip", smooth: bool = False, **override) -> bytes:
+    """`smooth`: a moving gradient instead of noise (few bytes per frame, however large)."""
+    import cv2
+
+    frames, width, height, fps, seed = CLIPS[name]
+    frames, width, height, fps, seed = (override.get(k, v) for k, v in
+                                        zip(("frames", "width", "height", "fps", "seed"), (frames, width, height, fps, seed)))
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "clip.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        if smooth:
+            ramp = (np.arange(width)[None, :] * 255 // max(width - 1, 1) + rng.integers(0, 256)) % 256
+            base = np.broadcast_to(ramp[:, :, None], (height, width, 3)).astype(np.uint8)
+        else:
+            base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        for i in range(frames):  # a moving picture: the frames differ, so their order matters
+            writer.write(np.roll(base, 4 * i, axis=1))
+        writer.release()
+        return path.read_bytes()
