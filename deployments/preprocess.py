@@ -35,6 +35,7 @@ class Preprocess:
         self.seconds = latency_histogram("iris_preprocess_seconds",
                                          "Seconds to decode and preprocess one image or video")
         self.images_preprocessed = 0
+        self.abandoned = 0  # calls whose caller left while they were working
         self.preprocessing = 0  # pixels() calls in progress
 
     def _pixels(self, job: MediaJob, cancelled: threading.Event):
@@ -73,6 +74,7 @@ class Preprocess:
             return err
         except asyncio.CancelledError:
             cancelled.set()
+            self.abandoned += 1
             with contextlib.suppress(BaseException):
                 await work
             raise
@@ -84,4 +86,5 @@ class Preprocess:
         return pixels
 
     def stats(self) -> dict:
-        return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing}
+        return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing,
+                "abandoned": self.abandoned}

@@ -561,17 +561,31 @@ def test_concurrent_burst_of_one_new_clip_encodes_it_once(app):
 
 @video_app
 def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
-    """A clip whose decoding takes a while; the client gives up while Preprocess decodes it.
+    """A clip whose decoding takes a while; the client leaves once Preprocess is working on it.
     The encoder never sees it, and every stage is idle again within 5 s."""
+    import asyncio
+    import contextlib
     import time
 
     _, base, name = app
-    # 40 s of 640x480 (1.8 MB): ~1 s to decode and process here, the client leaves after 0.3 s.
+    # 40 s of 640x480 (1.8 MB): about a second to decode and process here.
     clip = _unique_clip(frames=1200, width=640, height=480, fps=30.0, smooth=True)
-    before = _work_counts(name)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{base}/v1/chat/completions", timeout=0.3, json={
-            "messages": [{"role": "user", "content": [_video_part(data_url(clip, "video/mp4"))]}], "max_tokens": 4})
+    preprocess = serve.get_deployment_handle("Preprocess", app_name=name)
+    before, abandoned = _work_counts(name), _stats(name, "Preprocess")["abandoned"]
+
+    async def leave_while_preprocessing():
+        async with httpx.AsyncClient(timeout=120) as client:
+            request = asyncio.ensure_future(client.post(f"{base}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": [_video_part(data_url(clip, "video/mp4"))]}],
+                "max_tokens": 4}))
+            while (await preprocess.stats.remote())["preprocessing"] == 0:
+                assert not request.done(), request.result().text
+                await asyncio.sleep(0.01)
+            request.cancel()  # closes the connection: the client is gone
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_while_preprocessing())
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         busy = (_stats(name, "Preprocess")["preprocessing"], _stats(name, "VisionEncoder")["encoding"],
@@ -580,4 +594,5 @@ def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
             break
         time.sleep(0.1)
     assert busy == (0, 0, 0)
-    assert _work_counts(name)[1] == before[1]  # the encoder never ran for it
+    assert _stats(name, "Preprocess")["abandoned"] == abandoned + 1  # it was dropped, not finished
+    assert _work_counts(name) == before  # nothing preprocessed to the end, the encoder never ran for it
