@@ -117,6 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench-llava")
     parser.add_argument("--requests", type=int, default=16, help="requests per kind")
+    parser.add_argument("--video", action="store_true", help="new and repeated clips instead (a model that "
+                        "takes video, e.g. builtin:tiny-qwen2-vl)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="stage_timeline")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -127,7 +129,7 @@ def main() -> None:
     from pipeline.models.source import resolve_model
 
     checkpoint = resolve_model(args.model)
-    engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))
+    engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint), max_videos=int(args.video))
     factory = WorkloadFactory(args.seed, max_tokens=16)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
     trace = log_dir / "stage_trace.jsonl"
@@ -139,10 +141,14 @@ def main() -> None:
         warm_up(system, factory)
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
         n = args.requests
-        run["kinds"]["new image"] = run_kind(client, factory.unique(n), trace)
-        run["kinds"]["repeated image"] = run_kind(client, factory.repeat(n + 1), trace, skip_first=1)
-        run["kinds"]["text, same tokens"] = run_kind(
-            client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace)
+        if args.video:
+            run["kinds"]["new clip"] = run_kind(client, factory.video_unique(n), trace)
+            run["kinds"]["repeated clip"] = run_kind(client, factory.video_repeat(n + 1), trace, skip_first=1)
+        else:
+            run["kinds"]["new image"] = run_kind(client, factory.unique(n), trace)
+            run["kinds"]["repeated image"] = run_kind(client, factory.repeat(n + 1), trace, skip_first=1)
+            run["kinds"]["text, same tokens"] = run_kind(
+                client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace)
     finally:
         system.stop()
     out = Path(args.out_dir)

@@ -97,11 +97,12 @@ class LoadClient:
                            max_tokens: int, t0: float) -> list[RequestRecord]:
         records, history = [], []
         for turn_index, turn in enumerate(conv.turns):
+            upload_free = conv.upload_free and turn.image is not None
+            messages = chat_messages(history, turn, not upload_free)  # (making a clip's bytes is not the server's time)
             start = time.perf_counter()
             record = RequestRecord(index, turn_index, start - t0, ok=False)
             try:
-                upload_free = conv.upload_free and turn.image is not None
-                answer = await self._post(session, chat_messages(history, turn, not upload_free), max_tokens, start)
+                answer = await self._post(session, messages, max_tokens, start)
                 if upload_free and 400 <= answer.status < 500:
                     record.resent = True  # a cache miss: send the bytes with the same uuid
                     answer = await self._post(session, chat_messages(history, turn, True), max_tokens, start)
