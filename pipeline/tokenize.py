@@ -50,10 +50,10 @@ def parse_tokenize_request(body: dict, max_images: int) -> TokenizeJob:
         parsed = ChatCompletionRequest.model_validate({"messages": body["messages"]})
     except ValidationError as e:
         raise validation_error_to_iris(e) from None
-    messages, images = parse_messages(parsed.messages, max_images)
-    if images:
-        raise bad_request("/tokenize does not count images on this server: send text-only messages "
-                          "(each image adds its feature tokens, as the chat completion's usage reports)",
+    messages, media = parse_messages(parsed.messages, {"image": max_images, "video": max_images})
+    if media:
+        raise bad_request("/tokenize does not count images or videos on this server: send text-only messages "
+                          "(each image or video adds its feature tokens, as the chat completion's usage reports)",
                           param="messages", code="unsupported_parameter")
     return TokenizeJob(req.model, None, messages_for_template(messages), req.add_special_tokens,
                        req.add_generation_prompt, req.continue_final_message, bool(req.return_token_strs))

@@ -414,3 +414,14 @@ def test_error_to_dict_shape_and_extra():
     assert (b.status_code, b.type, b.param, b.code) == (400, "invalid_request_error", "x", "c")
     with pytest.raises(ValueError):
         IrisError("x", extra={"message": "override"})
+
+
+def test_tokenize_takes_text_messages_and_refuses_images_and_videos_by_name():
+    from pipeline.tokenize import parse_tokenize_request
+
+    job = parse_tokenize_request({"messages": [user(text("hi"))]}, 4)
+    assert job.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    for part in (image(IMG_A), {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA=="}}):
+        with pytest.raises(IrisError) as ei:
+            parse_tokenize_request({"messages": [user(part)]}, 4)
+        assert ei.value.status_code == 400 and ei.value.param == "messages"
