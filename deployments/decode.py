@@ -197,6 +197,14 @@ class LLMDecode:
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
                                      "param": getattr(err, "parameter", None) or "messages"})
+        except AssertionError as err:
+            # vLLM asserts that the prompt has a placeholder for every item (`vllm serve` answers 500):
+            # a chat template that places no videos, say. The request's input, not a fault.
+            if "Failed to apply prompt replacement" not in str(err):
+                raise
+            yield DecodeChunk(error={"message": f"this model's chat template places no token for an item of the "
+                                     f"request, so the model cannot take it ({err})", "code": "invalid_prompt",
+                                     "param": "messages"})
 
     def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
                           add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
