@@ -90,6 +90,7 @@ class LLMDecode:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineGenerateError
 
         mark("decode.start", request.request_id)
         keys = request.media_keys
@@ -197,13 +198,16 @@ class LLMDecode:
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
             yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
                                      "param": getattr(err, "parameter", None) or "messages"})
-        except AssertionError as err:
+        except EngineGenerateError as err:
             # vLLM asserts that the prompt has a placeholder for every item (`vllm serve` answers 500):
             # a chat template that places no videos, say. The request's input, not a fault.
-            if "Failed to apply prompt replacement" not in str(err):
+            cause = err.__cause__
+            while cause is not None and "Failed to apply prompt replacement" not in str(cause):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
                 raise
             yield DecodeChunk(error={"message": f"this model's chat template places no token for an item of the "
-                                     f"request, so the model cannot take it ({err})", "code": "invalid_prompt",
+                                     f"request, so the model cannot take it ({cause})", "code": "invalid_prompt",
                                      "param": "messages"})
 
     def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
