@@ -363,7 +363,7 @@ def test_prometheus_metrics_are_exported(app):
 
 def test_oversized_body_is_413_without_reading_it_all(app):
     _, base, _ = app
-    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 3_000_000 + b'"}]}'
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 8_000_000 + b'"}]}'  # over the images' and video's room
     r = httpx.post(f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
