@@ -58,8 +58,7 @@ class LLMDecode:
         self.fingerprint = self.vision.expected_fingerprint()
         args = AsyncEngineArgs(
             model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
-            limit_mm_per_prompt={m: self.vision.vllm_config.model_config.multimodal_config.get_limit_per_prompt(m)
-                                 for m in self.vision.modalities},
+            limit_mm_per_prompt={m: self.vision.limits[m] for m in self.vision.modalities},
             **{**config.engine_args, **REQUIRED_ENGINE_ARGS},
         )
         self.engine = AsyncLLM.from_engine_args(args)

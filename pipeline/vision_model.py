@@ -119,7 +119,7 @@ class VisionModel:
         self.checkpoint = checkpoint
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
-        limits = {"image": 4, "video": 1, **(max_items or {})}
+        self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
         self.vllm_config = EngineArgs(
             model=checkpoint, dtype=checkpoint_dtype(checkpoint) if dtype == "auto" else dtype,
             mm_encoder_only=True, enable_mm_embeds=True, enforce_eager=True, limit_mm_per_prompt=limits,
