@@ -98,6 +98,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
     results = {r["point"]: r for r in saved["results"]}
     assert set(results) == {"unique-c1", "repeat-c1", "zipf-c4", "upload_free-c4", "random_mm-c4"}
     for point, r in results.items():
+        assert "summary" in r, (point, r.get("skipped"))
         s = r["summary"]
         assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (point, s)
         assert 0 < s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"]
