@@ -12,7 +12,6 @@ sent at once): one Ray message per token costs more than the token on a busy nod
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ import torch
 from ray import serve
 from ray.exceptions import ObjectLostError
 from ray.serve.exceptions import RayServeException
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeResponse, TokenizeResponse
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
@@ -33,6 +33,7 @@ from pipeline.errors import IrisError, bad_request
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.stage_trace import mark
+from pipeline.stream_merge import merged_outputs
 from pipeline.tenant import cache_salt
 from pipeline.tokenize import TokenizeJob
 from pipeline.vllm_sampling import max_tokens_of
@@ -96,8 +97,8 @@ class LLMDecode:
         modalities = request.modalities or ["image"] * len(keys)
         if any(fingerprint_of(k) != self.fingerprint for k in keys):
             # Keyed for other weights by an ingress that has not seen the update yet.
-            yield DecodeChunk(error={"message": "the model was updated while this request was in flight; retry",
-                                     "code": "model_changed", "param": None})
+            yield DecodeChunk(error=IrisError("the model was updated while this request was in flight; retry",
+                                              status_code=503, code="model_changed"))
             return
         delivered = {}
         for key, f in zip(request.delivered, await asyncio.gather(*request.delivered.values(),
@@ -134,7 +135,7 @@ class LLMDecode:
         n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
         error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
-            yield DecodeChunk(error={"message": error, "code": "context_length_exceeded", "param": "messages"})
+            yield DecodeChunk(error=bad_request(error, param="messages", code="context_length_exceeded"))
             return
         # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
         engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
@@ -148,8 +149,7 @@ class LLMDecode:
                                         override_max_tokens=self.max_tokens_limit)  # also caps the default
             params = req.to_sampling_params(max_tokens, self.default_sampling_params)
         except (ValueError, VLLMClientError) as err:
-            yield DecodeChunk(error={"message": str(err), "code": "invalid_request",
-                                     "param": getattr(err, "parameter", None)})
+            yield DecodeChunk(error=bad_request(str(err), param=getattr(err, "parameter", None), code="invalid_request"))
             return
         params.output_kind = RequestOutputKind.DELTA  # Iris streams internally, and merges deltas itself
         # Chat: `logprobs` is a flag and `top_logprobs` the count; completions: `logprobs` is the count.
@@ -159,7 +159,7 @@ class LLMDecode:
         completion_tokens = 0
         mark("decode.engine_call", request.request_id)
         try:
-            async with aclosing(_merged(self.engine.generate(engine_prompt, params, request.request_id),
+            async with aclosing(merged_outputs(self.engine.generate(engine_prompt, params, request.request_id),
                                         self.stream_interval_s)) as merged:
                 async for outs in merged:
                     if completion_tokens == 0:
@@ -195,8 +195,8 @@ class LLMDecode:
                     for ch in chunks:
                         yield ch
         except (ValueError, VLLMClientError) as err:  # vLLM's input validation, e.g. prompt too long, bad schema
-            yield DecodeChunk(error={"message": str(err), "code": "invalid_prompt",
-                                     "param": getattr(err, "parameter", None) or "messages"})
+            yield DecodeChunk(error=bad_request(str(err), param=getattr(err, "parameter", None) or "messages",
+                                                code="invalid_prompt"))
         except EngineGenerateError as err:
             # vLLM asserts that the prompt has a placeholder for every item (`vllm serve` answers 500):
             # a chat template that places no videos, say. The request's input, not a fault.
@@ -205,9 +205,9 @@ class LLMDecode:
                 cause = cause.__cause__ or cause.__context__
             if cause is None:
                 raise
-            yield DecodeChunk(error={"message": f"this model's chat template places no token for an item of the "
-                                     f"request, so the model cannot take it ({cause})", "code": "invalid_prompt",
-                                     "param": "messages"})
+            yield DecodeChunk(error=bad_request(f"this model's chat template places no token for an item of the "
+                                                f"request, so the model cannot take it ({cause})", param="messages",
+                                                code="invalid_prompt"))
 
     def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
                           add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
@@ -218,8 +218,8 @@ class LLMDecode:
                 continue_final_message=continue_final_message, tokenize=False)
         return self.processor.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def tokenize(self, job: TokenizeJob) -> dict | IrisError:
-        """/tokenize: vLLM's TokenizeResponse fields, or the 400 the chat template raised."""
+    def tokenize(self, job: TokenizeJob) -> TokenizeResponse | IrisError:
+        """/tokenize: vLLM's TokenizeResponse, or the 400 the chat template raised."""
         from jinja2 import TemplateError
 
         try:
@@ -228,11 +228,11 @@ class LLMDecode:
         except (ValueError, TemplateError) as err:  # e.g. continue_final_message with a generation prompt
             return bad_request(str(err), param="messages")
         strs = self.processor.tokenizer.convert_ids_to_tokens(tokens) if job.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": strs}
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs)
 
-    def detokenize(self, tokens: list[int]) -> dict:
-        """/detokenize: vLLM's DetokenizeResponse fields (the tokenizer's plain decode, as vLLM's)."""
-        return {"prompt": self.processor.tokenizer.decode(tokens)}
+    def detokenize(self, tokens: list[int]) -> DetokenizeResponse:
+        """/detokenize: the tokenizer's plain decode, as vLLM's."""
+        return DetokenizeResponse(prompt=self.processor.tokenizer.decode(tokens))
 
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
@@ -279,49 +279,3 @@ def _bind_engine_cores() -> None:
         logger.info("LLMDecode replica %d of %d on this node: vLLM's OpenMP threads on cores %s",
                     local_rank, engines, bind)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-
-
-_END = object()
-
-
-async def _merged(outputs: AsyncIterator, interval_s: float) -> AsyncIterator[list]:
-    """Engine outputs in lists: the first alone at once, then whatever arrived
-    while the previous list was sent, at most one list per `interval_s`; the
-    last output goes as soon as it arrives (waiting would only delay the answer)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    last_queued = asyncio.Event()  # the finished output, the end or an error is in the queue
-
-    async def pump():
-        try:
-            async for out in outputs:
-                queue.put_nowait(out)
-                if out.finished:
-                    last_queued.set()
-            queue.put_nowait(_END)
-        except Exception as err:  # e.g. vLLM's input validation: re-raised to the consumer
-            queue.put_nowait(err)
-        last_queued.set()
-
-    task = asyncio.ensure_future(pump())
-    last_sent = None
-    try:
-        while True:
-            batch = [await queue.get()]
-            wait = 0 if last_sent is None else last_sent + interval_s - loop.time()
-            if wait > 0 and not last_queued.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(last_queued.wait(), wait)
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            end = batch[-1] is _END or isinstance(batch[-1], Exception)
-            outs = batch[:-1] if end else batch
-            if outs:
-                yield outs
-                last_sent = loop.time()
-            if end:
-                if isinstance(batch[-1], Exception):
-                    raise batch[-1]
-                return
-    finally:
-        task.cancel()  # the client went away: cancelling generate() aborts the request in vLLM

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ray.serve import metrics
 
 from cache_service.feature_cache import FeatureCache
@@ -40,3 +42,30 @@ class CacheMetrics:
 
 def latency_histogram(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:
     return metrics.Histogram(name, description=description, boundaries=_LATENCY_BOUNDARIES, tag_keys=tag_keys)
+
+
+class RequestMetrics:
+    """The ingress's counts: requests by outcome, items by how their features were obtained,
+    time to first token. Mirrored in `counts` for /iris/stats."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+        self.requests = metrics.Counter("iris_requests", description="Chat requests by outcome", tag_keys=("outcome",))
+        self.items = metrics.Counter("iris_images", description="Images and videos by how their features were "
+                                     "obtained (cached: feature-cache hit; computed: preprocess + encoder ran)",
+                                     tag_keys=("source",))
+        self.ttft = latency_histogram("iris_ttft_seconds", "Seconds from request arrival to the first token")
+
+    def outcome(self, outcome: str) -> None:
+        self.counts[f"requests_{outcome}"] += 1
+        self.requests.inc(tags={"outcome": outcome})
+
+    def error(self, status_code: int, code: str | None) -> None:
+        self.outcome("cache_miss" if code == "mm_cache_miss" else
+                     "client_error" if status_code < 500 else "server_error")
+
+    def media(self, cached: int, computed: int) -> None:
+        for source, n in (("cached", cached), ("computed", computed)):
+            if n:
+                self.items.inc(n, tags={"source": source})
+                self.counts[f"images_{source}"] += n

@@ -19,7 +19,7 @@ from ray import serve
 from deployments.config import IrisConfig
 from deployments.metrics import latency_histogram
 from pipeline.errors import IrisError, bad_request
-from pipeline.media import check_video, decode_image
+from pipeline.media_decode import check_video, decode_image
 from pipeline.stage_io import MediaJob
 from pipeline.stage_trace import mark
 from pipeline.vision_model import PixelInputs
@@ -39,10 +39,7 @@ class Preprocess:
         self.preprocessing = 0  # pixels() calls in progress
 
     def _pixels(self, job: MediaJob, cancelled: threading.Event):
-        m = job.modality
-        if m not in self.vision.modalities:
-            raise bad_request(f"this model takes no {m} input (it takes {', '.join(self.vision.modalities)})",
-                              param=job.name, code=f"unsupported_{m}")
+        m = job.modality  # one the model takes: the ingress refused the others
         if m == "video":
             check_video(job.data, self.limits, param=job.name)  # from the header: nothing decoded yet
             try:

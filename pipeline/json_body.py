@@ -11,14 +11,36 @@ Hostile bodies handled here rather than crashing the ingress:
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
-from pipeline.errors import bad_request
+from pipeline.errors import IrisError, bad_request
 
 # A chat body is ~5 deep (body > messages > message > content > part > image_url);
 # client extras such as tool JSON schemas add some. 64 leaves ample room.
 MAX_DEPTH = 64
+# Bodies at least this large parse in a thread, so they do not stall the other streams.
+PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+async def read_json_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> dict[str, Any]:
+    """An HTTP body as a JSON object; 413 as soon as it passes `max_bytes` (nothing more is read)."""
+    if declared_length and declared_length.isdigit() and int(declared_length) > max_bytes:
+        raise _too_large(max_bytes)
+    raw = bytearray()
+    async for piece in pieces:
+        raw += piece
+        if len(raw) > max_bytes:
+            raise _too_large(max_bytes)
+    if len(raw) >= PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw)
+    return parse_json_body(raw)
+
+
+def _too_large(max_bytes: int) -> IrisError:
+    return IrisError(f"request body larger than {max_bytes} bytes", status_code=413, code="request_too_large")
 
 
 def parse_json_body(raw: bytes | bytearray, max_depth: int = MAX_DEPTH) -> dict[str, Any]:

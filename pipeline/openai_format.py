@@ -1,94 +1,166 @@
-"""OpenAI chat-completions response bodies and server-sent-event chunks."""
+"""OpenAI responses built from LLMDecode's chunks, as vLLM's own response models.
+
+`vllm serve` answers with these models; Iris fills the same ones, so its fields and
+their JSON are vLLM's: whole answers dumped in full, stream chunks without unset
+fields, as vLLM's serving code does. (Errors keep Iris's shape, pipeline/errors.py:
+OpenAI's error object has a string `code` such as "mm_cache_miss", where vLLM's
+ErrorInfo types `code` as the HTTP status.)
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import (
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    OpenAIBaseModel,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
 
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # vLLM prefix-cache hits, as OpenAI's prompt_tokens_details.cached_tokens
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-def choice(index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs: list | None = None) -> dict:
-    """One non-streamed chat choice; `logprobs` are chat logprobs entries (pipeline/logprobs.py)."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None if logprobs is None else {"content": logprobs},
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
-
-
-def completion(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage.to_dict(),
-    }
-
-
-def chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
-          usage: Usage | None = None, choices: bool = True, index: int = 0,
-          logprobs: list | None = None, stop_reason=None) -> str:
-    """One SSE event; `choices=False` gives the trailing usage-only chunk."""
-    c = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
-         "finish_reason": finish_reason}
-    if finish_reason is not None:
-        c["stop_reason"] = stop_reason
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [c] if choices else [],
-    }
-    if usage is not None:
-        body["usage"] = usage.to_dict()
-    return sse(body)
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
+from pipeline.logprobs import extend_completion_logprobs
+from pipeline.stage_io import DecodeChunk
 
 DONE = "data: [DONE]\n\n"
 
 
-# --- /v1/completions ---------------------------------------------------------
+def sse(body: OpenAIBaseModel | dict) -> str:
+    """One server-sent event; a model without its unset fields (vLLM's stream chunks)."""
+    if isinstance(body, dict):
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
 
 
-def text_choice(index: int, text: str, finish_reason: str | None, stop_reason=None,
-                logprobs: dict | None = None) -> dict:
-    """One /v1/completions choice; `logprobs` as pipeline/logprobs.py's completion_logprobs gives them."""
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+def usage(last: DecodeChunk) -> UsageInfo:
+    """The token counts the request's last chunk carries (cached: vLLM's prefix-cache hits)."""
+    return UsageInfo(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                     total_tokens=last.prompt_tokens + last.completion_tokens,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=last.cached_tokens))
 
 
-def text_completion(request_id: str, model: str, choices: list[dict], usage: Usage) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage.to_dict()}
+def model_list(name: str, max_model_len: int | None) -> ModelList:
+    """`/v1/models` with the fields `vllm serve` lists (clients such as `vllm bench serve` read them)."""
+    return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_model_len,
+                                     permission=[ModelPermission()])])
 
 
-def text_chunk(request_id: str, model: str, choices: list[dict], usage: Usage | None = None) -> str:
-    body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices}
-    if usage is not None:
-        body["usage"] = usage.to_dict()
-    return sse(body)
+# --- whole answers ------------------------------------------------------------------
+
+@dataclass
+class ChoiceSoFar:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict] | dict | None = None  # chat entries, or completions' columns
+
+
+@dataclass
+class Answer:
+    """A non-streamed answer gathered from its chunks."""
+    choices: dict[int, ChoiceSoFar] = field(default_factory=dict)
+    usage: UsageInfo = field(default_factory=UsageInfo)
+
+    @classmethod
+    async def gather(cls, chunks: AsyncIterator[DecodeChunk]) -> Answer:
+        """Every chunk of the stream; raises the engine's error should one carry it."""
+        answer = cls()
+        async for c in chunks:
+            if c.error:
+                raise c.error
+            choice = answer.choices.setdefault(c.index, ChoiceSoFar())
+            choice.text.append(c.text)
+            if isinstance(c.logprobs, list):
+                choice.logprobs = (choice.logprobs or []) + c.logprobs
+            elif c.logprobs is not None:
+                choice.logprobs = extend_completion_logprobs(choice.logprobs, c.logprobs)
+            if c.finish_reason:
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            if c.done:
+                answer.usage = usage(c)
+        return answer
+
+    def chat(self, request_id: str, model: str) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=request_id, model=model, usage=self.usage, choices=[
+            ChatCompletionResponseChoice(
+                index=i, message=ChatMessage(role="assistant", content="".join(c.text)),
+                logprobs=None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in sorted(self.choices.items())])
+
+    def text(self, request_id: str, model: str) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=model, usage=self.usage, choices=[
+            CompletionResponseChoice(
+                index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs))
+            for i, c in sorted(self.choices.items())])
+
+
+# --- streams ------------------------------------------------------------------------
+
+async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str, n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """A chat answer's events, [DONE] aside: the role first, then the deltas, then the usage
+    when asked for. Raises the engine's error should a chunk carry it."""
+    created = int(time.time())
+
+    def event(choices: list, **extra) -> str:  # (unset fields are left out: set even the constant ones)
+        return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
+                                                model=model, choices=choices, **extra))
+
+    for i in range(n):
+        yield event([ChatCompletionResponseStreamChoice(
+            index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
+    async for c in chunks:
+        if c.error:
+            raise c.error
+        if c.text or c.finish_reason or c.logprobs:
+            logprobs = None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs)
+            choice = ChatCompletionResponseStreamChoice(
+                index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                logprobs=logprobs, finish_reason=c.finish_reason)
+            if c.finish_reason is not None:
+                choice.stop_reason = c.stop_reason
+            yield event([choice])
+        if c.done and include_usage:
+            yield event([], usage=usage(c))
+
+
+async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """A /v1/completions answer's events, [DONE] aside."""
+    created = int(time.time())
+
+    def event(choices: list, **extra) -> str:
+        return sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
+                                            model=model, choices=choices, **extra))
+
+    async for c in chunks:
+        if c.error:
+            raise c.error
+        if c.text or c.finish_reason or c.logprobs:
+            yield event([CompletionResponseStreamChoice(
+                index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs))])
+        if c.done and include_usage:
+            yield event([], usage=usage(c))

@@ -10,12 +10,18 @@ Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images and vide
   references of features computed for this request: the decoder takes those
   directly, while the Redis write runs behind the response.
 LLMDecode -> Ingress: `DecodeChunk`s (several token deltas merged per chunk).
+
+Errors: a stage that refuses its input (a bad image, a prompt too long) answers with
+an `IrisError` as a value (Preprocess, VisionEncoder) or in `DecodeChunk.error`;
+an exception crossing a stage means a fault (a bug, a dead replica).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline.errors import IrisError
 
 
 @dataclass
@@ -60,4 +66,4 @@ class DecodeChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     missing_keys: list[str] | None = None  # features vanished from the cache: ingress re-encodes
-    error: dict[str, Any] | None = None  # IrisError fields when the engine rejected the request
+    error: IrisError | None = None  # the engine refused the request

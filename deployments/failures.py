@@ -1,0 +1,38 @@
+"""What a client sees of an unexpected exception: 504 past the request's deadline, 503 when
+a replica of a stage died under the request, 500 for anything else (a bug, logged)."""
+
+from __future__ import annotations
+
+import logging
+
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
+
+from pipeline.errors import IrisError, server_error
+
+logger = logging.getLogger("ray.serve")
+
+
+def failure_response(err: BaseException, what: str, timeout_s: float) -> IrisError:
+    if isinstance(err, IrisError):
+        return err
+    if isinstance(err, TimeoutError):
+        return server_error(f"the request took longer than the server's limit of {timeout_s:g} s",
+                            code="timeout", status_code=504)
+    if stage_failed(err):
+        logger.warning("%s: a replica failed: %r", what, err)
+        return server_error("a serving replica failed while handling this request; retry it",
+                            code="replica_unavailable", status_code=503)
+    logger.error("%s", what, exc_info=err)
+    return server_error("internal error", code="internal_error")
+
+
+def stage_failed(err: BaseException | None) -> bool:
+    """Whether `err` says a replica of a downstream stage died or became unreachable
+    (killed, crashed, its node lost), as opposed to a bug."""
+    for _ in range(8):  # causes nest: a task error caused by an actor's death, ...
+        if err is None:
+            return False
+        if isinstance(err, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError)):
+            return True
+        err = err.cause if isinstance(err, RayTaskError) else err.__cause__
+    return False

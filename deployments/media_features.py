@@ -1,0 +1,225 @@
+"""MediaFeatures: the ingress's one owner of a request's image and video features.
+
+Per request: fetch the bytes, key each item (content hash, or the client's uuid),
+ask the cache which keys are present, and send only the misses to Preprocess ->
+VisionEncoder. Upload-free items (uuid only) that are not cached end the request
+with 409 `mm_cache_miss` before any work is done.
+
+Each key is computed once across concurrent requests on this replica (the encoder's
+cache adds the same across replicas). Keys seen computed or present are remembered,
+so a repeated image costs no presence check; should one be gone by the time LLMDecode
+reads it, the decode says so and `open_decode` recomputes it once (or answers 409 for
+an upload-free item).
+
+The fingerprint of the encoder's weights is part of every key; it comes from the
+VisionEncoder, and is asked again after a stage says the model changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ray.serve.handle import DeploymentHandle
+
+from cache_service.feature_cache import FeatureCache
+from cache_service.keys import content_key, uuid_key
+from deployments.config import IrisConfig
+from deployments.decode_stream import DecodeStream
+from deployments.metrics import CacheMetrics, RequestMetrics
+from pipeline.chat_request import ParsedChat
+from pipeline.errors import IrisError, bad_request
+from pipeline.media import fetch_client, load_media_bytes
+from pipeline.stage_io import EncodedMedia, MediaJob
+from pipeline.stage_trace import mark
+
+# Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see open_decode).
+KNOWN_KEYS = 100_000
+# Items at least this large are hashed in a thread; below, the thread hop costs more than the hash.
+HASH_IN_THREAD_BYTES = 256 * 1024
+
+
+@dataclass
+class RequestMedia:
+    """A request's images and videos, in prompt order, and how their features were obtained."""
+    keys: list[str] = field(default_factory=list)
+    datas: list[bytes | None] = field(default_factory=list)  # None: sent by uuid only
+    names: list[str] = field(default_factory=list)  # for errors: image[0], video[0], ...
+    modalities: list[str] = field(default_factory=list)
+    delivered: dict = field(default_factory=dict)  # key -> ObjectRef of features computed for this request
+    cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
+    computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
+
+
+def cache_miss(indexes: list[int], names: list[str]) -> IrisError:
+    """`indexes`: positions among the request's images and videos; `names` say which."""
+    what = "image(s)" if all(n.startswith("image[") for n in names) else f"item(s) {names} at"
+    return IrisError(
+        f"{what} {indexes} were sent by uuid only and are not in the feature cache; "
+        "send the bytes with the same uuid again",
+        status_code=409, param="messages", code="mm_cache_miss", extra={"missing": indexes})
+
+
+class MediaFeatures:
+    def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,
+                 metrics: RequestMetrics):
+        self.config = config
+        self.preprocess = preprocess
+        self.encoder = encoder
+        self.metrics = metrics
+        # The ingress only asks which keys exist; it never holds features.
+        self.cache = FeatureCache(config.cache.model_copy(update={"l1_max_bytes": 0}))
+        self.cache_metrics = CacheMetrics(self.cache)
+        self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
+        self._fingerprint: str | None = None
+        self._modalities: list[str] = []  # what the model takes, asked with the fingerprint
+        self._inflight: dict[str, asyncio.Task[EncodedMedia]] = {}  # key -> its running encode
+        self._waiters: dict[str, int] = {}  # key -> requests waiting for its running encode
+        self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
+
+    async def resolve(self, chat: ParsedChat, tenant: str) -> RequestMedia:
+        """Keys of the request's items, with the misses computed (their references in `delivered`)."""
+        if not chat.media:
+            return RequestMedia()
+        fingerprint = await self._get_fingerprint()
+        for item in chat.media:
+            if item.modality not in self._modalities:
+                raise bad_request(f"this model takes no {item.modality} input (it takes "
+                                  f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
+        datas = list(await asyncio.gather(*(
+            load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
+            if item.url is not None else asyncio.sleep(0) for item in chat.media)))
+        keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
+        media = RequestMedia(keys, datas, [item.name for item in chat.media], [item.modality for item in chat.media])
+        unique = list(dict.fromkeys(keys))
+        unknown = [k for k in unique if k not in self._known and k not in self._inflight]
+        present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
+        mark("ingress.looked_up")
+        self.cache_metrics.export()
+        missing = [item for item, key in zip(chat.media, keys)
+                   if item.url is None and key in present and not present[key]]
+        if missing:
+            raise cache_miss([item.index for item in missing], [item.name for item in missing])
+        for key in unknown:
+            if present[key]:
+                self._remember(key)
+        to_compute = [k for k in unknown if not present[k]]
+        await self._encode(media, to_compute, joined=[k for k in unique if k in self._inflight and k not in to_compute])
+        media.cached = len(unique) - media.computed
+        self.metrics.media(media.cached, media.computed)
+        return media
+
+    async def open_decode(self, media: RequestMedia, open_stream: Callable[[dict], Awaitable[DecodeStream]]
+                          ) -> DecodeStream:
+        """`open_stream(delivered)`, again once after recomputing features that vanished from
+        the cache since they were looked up (evicted, or this replica's memory was stale)."""
+        for attempt in range(2):
+            try:
+                stream = await open_stream(media.delivered)
+            except IrisError as err:
+                if err.code == "model_changed":
+                    self._fingerprint = None  # later requests key their items for the new weights
+                raise
+            if not stream.first.missing_keys:
+                return stream
+            stream.cancel()
+            gone = set(stream.first.missing_keys)
+            for key in gone:
+                self._known.pop(key, None)
+            upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas))
+                           if key in gone and data is None]
+            if upload_free:
+                raise cache_miss(upload_free, [media.names[i] for i in upload_free])
+            if attempt == 0:  # (within the request's deadline, like all its work)
+                await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
+        raise IrisError("image features could not be delivered to the decoder", status_code=503,
+                        code="features_unavailable")
+
+    async def _get_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint, self._modalities = await asyncio.gather(
+                self.encoder.get_fingerprint.remote(), self.encoder.get_modalities.remote())
+        return self._fingerprint
+
+    async def _key(self, fingerprint: str, tenant: str, item, data: bytes | None) -> str:
+        namespace = self.config.cache.namespace
+        try:
+            if item.uuid:
+                return uuid_key(fingerprint, tenant, item.uuid, namespace, item.modality)
+        except ValueError as err:
+            raise bad_request(str(err), param=f"{item.name}.uuid", code="invalid_uuid") from err
+        # Content keys private to the tenant unless sharing is configured (docs/security.md).
+        owner = None if self.config.share_content_cache_across_tenants else tenant
+        try:
+            if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
+                return await asyncio.to_thread(content_key, fingerprint, data, namespace, owner, item.modality)
+            return content_key(fingerprint, data, namespace, owner, item.modality)
+        except ValueError as err:  # e.g. an over-long tenant header
+            raise bad_request(str(err), param=None, code="invalid_tenant") from err
+
+    def _remember(self, key: str) -> None:
+        if not self.cache.redis_available:
+            return  # features live in some replica's memory only: ask every time (a 409 stays a 409)
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    async def _encode(self, media: RequestMedia, keys: list[str], joined: list[str] = ()) -> None:
+        """Preprocess + encode the items with these keys, each once across concurrent requests;
+        `joined` keys are being computed for another request: wait for those."""
+        joined, own = list(joined), []
+        for key in keys:  # another request may have started or finished a key while we awaited
+            if key in self._inflight:
+                joined.append(key)
+            elif key not in self._known:
+                i = media.keys.index(key)
+                job = MediaJob(media.names[i], key, media.datas[i], media.modalities[i])
+                # A context of its own: Serve cancels the calls a request made when the request is
+                # cancelled, but other requests may join this work. It stops when its last waiter leaves.
+                self._inflight[key] = asyncio.get_running_loop().create_task(
+                    self._encode_one(job), context=contextvars.Context())
+                own.append(key)
+        results = await asyncio.gather(*(self._join(k) for k in own + joined), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        media.computed += len(own)
+        media.delivered.update({r.key: r.features_ref for r in results})
+
+    async def _join(self, key: str) -> EncodedMedia:
+        """Wait for the running encode of `key`; the last waiter to leave (timeout,
+        disconnect) cancels it, so no stage keeps working for nobody."""
+        task = self._inflight[key]
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            return await asyncio.shield(task)  # one waiter leaving must not cancel it for the others
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
+                task.cancel()  # a no-op once it is done
+
+    async def _encode_one(self, job: MediaJob) -> EncodedMedia:
+        try:
+            # Serve passes Preprocess's pending result into the encoder call (model composition):
+            # the pixels go through the object store, and Preprocess is free once they are made.
+            pixels = self.preprocess.pixels.remote(job)
+            encoded = self.encoder.encode.remote(job.key, pixels)
+            try:
+                result = await encoded
+            except asyncio.CancelledError:
+                encoded.cancel()  # stop the replicas' work too (queued encoder batches drop it)
+                pixels.cancel()
+                raise
+            if isinstance(result, IrisError):
+                if result.code == "model_changed":
+                    self._fingerprint = None
+                raise result
+            self._remember(job.key)
+            return result
+        finally:
+            del self._inflight[job.key]
