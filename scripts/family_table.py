@@ -1,7 +1,7 @@
-"""The README's model-family table, from vLLM's own model registry.
+"""The model-family table of docs/families.md, from vLLM's own model registry.
 
-    .venv/bin/python scripts/family_table.py          # rewrite the table in README.md
-    .venv/bin/python scripts/family_table.py --check  # exit 1 when README.md's table is stale
+    .venv/bin/python scripts/family_table.py          # rewrite the table in docs/families.md
+    .venv/bin/python scripts/family_table.py --check  # exit 1 when docs/families.md's table is stale
 
 One row per multimodal architecture the installed vLLM registers: served by Iris
 (the built-in checkpoint and the test that proves it), or why not. "Why not" is
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "families.md"
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
 REMOVED_VLMS = {"MllamaForConditionalGeneration": "Llama 3.2 Vision", "Phi4MMForCausalLM": "Phi-4-multimodal"}
 
@@ -108,23 +108,23 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def readme_table(text: str) -> str:
+def doc_table(text: str) -> str:
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[start:end]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 when README.md's table is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/families.md's table is stale")
     args = parser.parse_args()
-    text = README.read_text()
+    text = DOC.read_text()
     table = render()
     if args.check:
-        if readme_table(text) != table:
-            sys.exit("README.md's family table is stale: run scripts/family_table.py")
+        if doc_table(text) != table:
+            sys.exit("docs/families.md's family table is stale: run scripts/family_table.py")
         return
-    README.write_text(text.replace(readme_table(text), table))
-    print(f"README.md: family table written ({table.count(chr(10)) - 4} rows)")
+    DOC.write_text(text.replace(doc_table(text), table))
+    print(f"docs/families.md: family table written ({table.count(chr(10)) - 4} rows)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The README's family table is what scripts/family_table.py makes from the installed vLLM's registry."""
+"""docs/families.md's family table is what scripts/family_table.py makes from the installed vLLM's registry."""
 
 import sys
 from pathlib import Path
@@ -6,13 +6,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_family_table_is_current(tiny_checkpoint):
+def test_family_table_is_current(tiny_checkpoint):
     sys.path.insert(0, str(ROOT / "scripts"))
     import family_table
 
     table = family_table.render()
-    assert family_table.readme_table((ROOT / "README.md").read_text()) == table, \
-        "README.md's family table is stale: run .venv/bin/python scripts/family_table.py"
+    assert family_table.doc_table((ROOT / "docs" / "families.md").read_text()) == table, \
+        "docs/families.md's family table is stale: run .venv/bin/python scripts/family_table.py"
     # Every served built-in family has its row, and the registry is really read (not an empty table).
     from pipeline.models.builtin import SERVED_FAMILIES
 
