@@ -8,9 +8,17 @@ serve_config.yaml:
       request_router_class: deployments.image_affinity_router:ImageAffinityRouter
       request_router_kwargs: {max_load_factor: 1.5}
 
-The choice itself is `pipeline.affinity` (no Ray). Requests without images get
-Serve's power-of-two choices. No FIFOMixin: it would hand the replica chosen for
-one request's image to whichever request is oldest.
+This is Iris's own router, a subclass of Serve's pluggable `RequestRouter` base
+class: it replaces Serve's default router (`PowerOfTwoChoicesRequestRouter`) for
+LLMDecode, it does not extend it. `choose_replicas` returns ranks of replicas; the
+base class tries them in order and, within a rank, takes the replica with the
+shortest queue that accepts the request. The ranking itself is `pipeline.affinity`
+(no Ray): rendezvous hashing on the first image's key with a load bound. Requests
+without images get two random replicas from `pipeline.affinity.two_choices`, Iris's
+copy of the power-of-two-choices step, so the shorter of two queues wins. None of
+the default router's mixins are used: no FIFOMixin (it would hand the replica chosen
+for one request's image to whichever request is oldest), no LocalityMixin (same-node
+preference), no MultiplexMixin.
 """
 
 from __future__ import annotations
