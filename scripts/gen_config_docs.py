@@ -80,7 +80,7 @@ def _source_notes(cls: type) -> dict[str, str]:
         trailing = [comments[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1) if n in comments]
         text = " ".join(part for part in [*above, *trailing] if part)
         if text:
-            notes[node.target.id] = text
+            notes[node.target.id] = text[0].upper() + text[1:]
     return notes
 
 

@@ -103,7 +103,7 @@ class Limits(BaseModel):
     # From the line above,
     # over two lines.
     commented: int = 3  # and the end of the line.
-    trailing: float = 4.0  # Only the end of the line.
+    trailing: float = 4.0  # only the end of the line, capitalised.
     bare: str = "x"
     # A comment that belongs to no field ends the body.
 '''
@@ -117,7 +117,7 @@ class Limits(BaseModel):
     assert describe("described") == "From the Field."
     assert describe("documented") == "From the attribute docstring."
     assert describe("commented") == "From the line above, over two lines. and the end of the line."
-    assert describe("trailing") == "Only the end of the line."
+    assert describe("trailing") == "Only the end of the line, capitalised."
     assert describe("bare") == ""
 
 
