@@ -15,12 +15,12 @@ second; every request's TTFT is recorded with its start time. Writes
 bench/results/autoscale.json and autoscale.png (replicas per deployment over
 time; TTFT over time).
 
-    .venv/bin/python bench/autoscale.py                     # ~8 min on 2 CPU cores
-    .venv/bin/python bench/autoscale.py --load-s 30 --after-s 30 --name autoscale_try
+    python -m bench autoscale
+    python -m bench autoscale --load-s 30 --after-s 30 --name autoscale_try
 
-The ceiling on this machine: Preprocess replicas are processes on the same
-physical cores as everything else (Ray's CPUs are logical), so more of them
-cannot decode faster than the cores allow; the JSON states the figure.
+The ceiling on one machine: Preprocess replicas are processes on the same
+cores as everything else (Ray's CPUs are logical), so more of them cannot
+decode faster than the cores allow; the JSON states the figure.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import datetime
 import functools
 import json
-import os
-import shlex
 import statistics
 import struct
 import sys
@@ -41,17 +38,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import report, systems  # noqa: E402
-from bench.harness.client import LoadClient, RequestRecord  # noqa: E402
-from bench.harness.workloads import Conversation, ImageSpec, Turn, Workload, WorkloadFactory  # noqa: E402
+from bench.harness import report, results, systems
+from bench.harness.client import LoadClient, RequestRecord, warm_up
+from bench.harness.stats import percentile
+from bench.harness.workloads import Conversation, ImageSpec, Turn, Workload, WorkloadFactory
 
 SCALED = "Preprocess"
 # Bench-only: react within seconds instead of Serve's defaults (30 s up, 600 s down, 30 s look-back).
 # Downscaling waits 20 s: with 8 s, brief dips of the reported queue under full load (metrics pushed
-# late by replicas busy on 2 saturated cores) removed replicas that were still starting.
+# late by replicas busy on saturated cores) removed replicas that were still starting.
 PREPROCESS_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1,
                           "upscale_delay_s": 3, "downscale_delay_s": 20, "look_back_period_s": 5}
 # Handles and replicas report their queue lengths to the controller every 10 s by default.
@@ -66,9 +61,9 @@ class RelabelledJpeg:
     """A pool photo's JPEG with a comment segment (COM) naming `label` right after the SOI marker.
 
     The same pixels under new bytes: a new image to Iris, whose keys hash the bytes, at the same
-    decoding cost, made in microseconds instead of the 0.3 s a new 12 MP photo takes to draw and
-    encode, which the client would otherwise spend on the two cores the server needs. (A system
-    that hashes pixels, as vLLM does, would see a repeat: this is for Iris's own runs.)"""
+    decoding cost, without drawing and encoding a new 12 MP photo per request on the cores the
+    server needs. (A system that hashes pixels, as vLLM does, would see a repeat: this is for
+    Iris's own runs.)"""
 
     base: ImageSpec
     label: int
@@ -165,7 +160,7 @@ def ttft_by_replicas(requests: list[dict], points: list[tuple[float, int, int]])
             n = running_at(points, r["start_s"])
             if n is not None:
                 groups.setdefault(n, []).append(r["ttft_ms"])
-    return {str(n): {"requests": len(v), "ttft_p50_ms": statistics.median(v),
+    return {str(n): {"requests": len(v), "ttft_p50_ms": percentile(v, 50),
                      "ttft_mean_ms": statistics.fmean(v)} for n, v in sorted(groups.items())}
 
 
@@ -232,7 +227,7 @@ def ceiling(cores: int, logical_cpus: int, preprocess_ms_one_client: float | Non
         "preprocess_ms_per_image_one_client": preprocess_ms_one_client,
         "images_per_s_if_preprocess_had_every_core": per_core * cores if per_core else None,
         "load_req_per_s": load_req_per_s,
-        "statement": (f"Ray is given {logical_cpus} logical CPUs, but this machine has {cores} physical cores, "
+        "statement": (f"Ray is given {logical_cpus} logical CPUs, but this machine has {cores} CPUs, "
                       f"shared by Ingress, Preprocess, VisionEncoder, LLMDecode (vLLM), Redis and the load client: "
                       f"Preprocess replicas beyond {cores} cannot decode faster, and together they cannot get more "
                       f"than ~{cores} cores of decoding (fewer, since the other stages need the same cores). "
@@ -274,8 +269,7 @@ def plot(run: dict, out_prefix: Path) -> Path:
     bottom.legend(loc="upper right", fontsize=8)
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"Preprocess autoscaling under 12 MP JPEGs (CPU, {run['model']}, "
-                 f"{run['ceiling']['physical_cores']} cores)")
+    fig.suptitle(f"Preprocess autoscaling under 12 MP JPEGs ({results.label(run['machine'])}, {run['model']})")
     fig.tight_layout()
     path = out_prefix.with_suffix(".png")
     fig.savefig(path, dpi=110)
@@ -291,17 +285,17 @@ def analyse(run: dict) -> None:
     run["scaling"] = scaling_summary(series, SCALED, load["end_s"])
     run["ttft_by_preprocess_replicas"] = ttft_by_replicas(
         [r for r in run["requests"] if r["phase"] == "load"], series.get(SCALED, []))
-    run["ceiling"] = ceiling(run["ceiling"]["physical_cores"] if "ceiling" in run else os.cpu_count() or 1,
+    run["ceiling"] = ceiling(run["ceiling"]["physical_cores"] if "ceiling" in run else run["machine"]["cpus"],
                              run["ray_logical_cpus"], before["summary"].get("stage_mean_ms", {}).get("preprocess"),
                              load["summary"]["req_per_s"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = results.parser("autoscale", __doc__)
     parser.add_argument("--model", default="builtin:tiny-llava",
                         help="the tiny model's vision tower and decoder are cheap, so decoding 12 MP JPEGs dominates")
     parser.add_argument("--before-s", type=float, default=30)
-    # Long enough for new replicas to start (≈30 s on 2 busy cores) and then serve a while.
+    # Long enough for new replicas to start on busy cores and then serve a while.
     parser.add_argument("--load-s", type=float, default=120)
     parser.add_argument("--load-clients", type=int, default=8)
     parser.add_argument("--after-s", type=float, default=60)
@@ -309,24 +303,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-cpus", type=int, default=8, help="Ray's logical CPUs (serve_runner's default)")
     parser.add_argument("--name", default="autoscale")
-    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
     parser.add_argument("--reanalyse", metavar="JSON", help="recompute the analysis and plot of a saved run, "
                         "in place, without starting anything")
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     if args.reanalyse:
         path = Path(args.reanalyse)
         run = json.loads(path.read_text())
         run["timeline"] = {d: [tuple(p) for p in pts] for d, pts in run["timeline"].items()}
         analyse(run)
         run["plot"] = plot(run, path.with_suffix("")).name
-        path.write_text(json.dumps(run, indent=1))
+        results.save(run, path)
         print(json.dumps(run["scaling"], indent=1))
         return
-    from bench.compare import _git_commit, _machine, warm_up
     from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
@@ -339,18 +332,16 @@ def main() -> None:
     status_log = log_dir / "replicas.jsonl"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = {"model": args.model, "checkpoint": checkpoint, "commit": _git_commit(), "machine": _machine(),
-           "command": " ".join(["python", "bench/autoscale.py", *map(shlex.quote, sys.argv[1:])]),
-           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING, "env": AUTOSCALING_ENV, "logs": str(log_dir),
-           "ray_logical_cpus": args.num_cpus}
+    run = {**results.provenance(results.command_line("autoscale", argv)), "model": args.model,
+           "checkpoint": checkpoint, "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING,
+           "env": AUTOSCALING_ENV, "logs": str(log_dir), "ray_logical_cpus": args.num_cpus}
     system = systems.start("iris", 1, engine, log_dir, deployments={SCALED: {"autoscaling_config": PREPROCESS_AUTOSCALING}},
                            env=AUTOSCALING_ENV, status_log=status_log)
     try:
         run["start_s"] = system.start_s
-        run["warm_up"] = warm_up(system, factory)
-        # First large images cost more (allocations, thread pools): keep that out of the "before" phase.
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
+        run["warm_up"] = warm_up(client, factory)
+        # First large images cost more (allocations, thread pools): keep that out of the "before" phase.
         large, _ = asyncio.run(client.closed_loop(large_image_workload(factory, 4, first_label=10 ** 6), 1))
         run["warm_up"]["large_images_failed"] = sum(not r.ok for r in large)
         wait_scaled_in(status_log, 120)  # in case the warm-up's burst scaled Preprocess out
@@ -367,10 +358,10 @@ def main() -> None:
     run["timeline"] = replica_series([line for line in _read_status(status_log) if line["t"] >= t0_wall - 5], t0_wall)
     analyse(run)
     run["plot"] = plot(run, out_dir / args.name).name
-    (out_dir / f"{args.name}.json").write_text(json.dumps(run, indent=1))
+    results.save(run, out_dir / f"{args.name}.json")
     print(json.dumps({"scaling": run["scaling"], "ttft_by_preprocess_replicas": run["ttft_by_preprocess_replicas"],
                       "ceiling": run["ceiling"]}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit("run it as: python -m bench autoscale [options]")

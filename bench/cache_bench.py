@@ -1,6 +1,6 @@
 """Throughput and latency of the feature cache, per tier, for VLM-sized features.
 
-    .venv/bin/python bench/cache_bench.py [--iters 60] [--redis-url redis://127.0.0.1:6379/0]
+    python -m bench cache [--iters 60] [--redis-url redis://127.0.0.1:6379/0]
 
 Measures, for LLaVA-1.5 features (576x4096 bf16, 4.7 MB) and Qwen2-VL ones
 (1024x3584 bf16 + image_grid_thw int64[1,3], 7.3 MB):
@@ -15,30 +15,22 @@ under a private namespace, deleted at the end (never flushes Redis).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
-import platform
-import statistics
 import sys
-import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import redis
+import redis.asyncio as aredis
+import torch
+from redis.utils import HIREDIS_AVAILABLE
 
-import redis  # noqa: E402
-import redis.asyncio as aredis  # noqa: E402
-import torch  # noqa: E402
-from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
-
-from cache_service.codec import Features, decode, encode  # noqa: E402
-from cache_service.config import CacheConfig  # noqa: E402
-from cache_service.feature_cache import FeatureCache  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results" / "cache_bench.json"
+from bench.harness import results
+from bench.harness.stats import distribution, timed, timed_async
+from bench.harness.systems import delete_namespace
+from cache_service.codec import Features, decode, encode
+from cache_service.config import CacheConfig
+from cache_service.feature_cache import FeatureCache
 
 
 def llava_features() -> Features:
@@ -56,18 +48,16 @@ def qwen2_vl_features() -> Features:
 
 
 def summarise(name: str, nbytes: int, seconds: list[float]) -> dict:
-    ordered = sorted(seconds)
-    p50 = statistics.median(ordered)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    ms = distribution(seconds, 1e3, qs=(50, 99))
     row = {
         "op": name,
         "bytes": nbytes,
         "iters": len(seconds),
-        "p50_ms": round(p50 * 1e3, 3),
-        "p99_ms": round(p99 * 1e3, 3),
-        "mean_ms": round(statistics.fmean(seconds) * 1e3, 3),
+        "p50_ms": round(ms["p50"], 3),
+        "p99_ms": round(ms["p99"], 3),
+        "mean_ms": round(ms["mean"], 3),
         # Throughput of the median call, and of the whole run.
-        "p50_MBps": round(nbytes / p50 / 1e6, 1),
+        "p50_MBps": round(nbytes / ms["p50"] / 1e3, 1),
         "mean_MBps": round(nbytes * len(seconds) / sum(seconds) / 1e6, 1),
     }
     print(
@@ -77,28 +67,6 @@ def summarise(name: str, nbytes: int, seconds: list[float]) -> dict:
     return row
 
 
-def time_sync(fn, iters: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-async def time_async(fn, iters: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        await fn()
-    out = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        await fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
 async def bench_family(label: str, features: Features, args, namespace: str) -> list[dict]:
     rows = []
     nbytes = features.nbytes
@@ -106,30 +74,30 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
     value_bytes = bytes(value)
 
     # -- codec
-    rows.append(summarise(f"{label} codec encode", nbytes, time_sync(lambda: encode(features), args.iters)))
-    rows.append(summarise(f"{label} codec decode (zero-copy)", nbytes, time_sync(lambda: decode(value_bytes), args.iters)))
+    rows.append(summarise(f"{label} codec encode", nbytes, timed(lambda: encode(features), args.iters)))
+    rows.append(summarise(f"{label} codec decode (zero-copy)", nbytes, timed(lambda: decode(value_bytes), args.iters)))
     rows.append(
-        summarise(f"{label} codec decode (copy)", nbytes, time_sync(lambda: decode(value_bytes, copy=True), args.iters))
+        summarise(f"{label} codec decode (copy)", nbytes, timed(lambda: decode(value_bytes, copy=True), args.iters))
     )
 
     # -- L1 only
     l1 = FeatureCache(CacheConfig(redis_url=None, namespace=namespace, l1_max_bytes=1 << 30))
     key = f"{namespace}:{label}:0"
-    rows.append(summarise(f"{label} L1 put", nbytes, await time_async(lambda: l1.put_many([(key, features)]), args.iters)))
-    rows.append(summarise(f"{label} L1 get", nbytes, await time_async(lambda: l1.get_many([key]), args.iters)))
+    rows.append(summarise(f"{label} L1 put", nbytes, await timed_async(lambda: l1.put_many([(key, features)]), args.iters)))
+    rows.append(summarise(f"{label} L1 get", nbytes, await timed_async(lambda: l1.get_many([key]), args.iters)))
     await l1.close()
 
     # -- L2 with L1 disabled: every get goes to Redis
     l2 = FeatureCache(
         CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=0, redis_timeout_s=2.0)
     )
-    rows.append(summarise(f"{label} L2 put", nbytes, await time_async(lambda: l2.put_many([(key, features)]), args.iters)))
+    rows.append(summarise(f"{label} L2 put", nbytes, await timed_async(lambda: l2.put_many([(key, features)]), args.iters)))
 
     async def l2_get():
         [got] = await l2.get_many([key])
         assert got is not None
 
-    rows.append(summarise(f"{label} L2 get", nbytes, await time_async(l2_get, args.iters)))
+    rows.append(summarise(f"{label} L2 get", nbytes, await timed_async(l2_get, args.iters)))
 
     batch_keys = [f"{namespace}:{label}:b{i}" for i in range(8)]
     await l2.put_many([(k, features) for k in batch_keys])
@@ -138,7 +106,7 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
         got = await l2.get_many(batch_keys)
         assert all(g is not None for g in got)
 
-    rows.append(summarise(f"{label} L2 get batch of 8", 8 * nbytes, await time_async(l2_get_batch, max(10, args.iters // 4))))
+    rows.append(summarise(f"{label} L2 get batch of 8", 8 * nbytes, await timed_async(l2_get_batch, max(10, args.iters // 4))))
 
     stats = l2.stats()
     assert stats["degraded_transitions"] == 0, "Redis went degraded during the benchmark"
@@ -157,24 +125,31 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
         [got] = await reader.get_many([next(todo)])
         assert got is not None
 
-    rows.append(summarise(f"{label} L2 get, kept in L1", nbytes, await time_async(l2_get_promoted, len(distinct), warmup=0)))
+    rows.append(summarise(f"{label} L2 get, kept in L1", nbytes, await timed_async(l2_get_promoted, len(distinct), warmup=0)))
     assert reader.stats()["l2_hits"] == len(distinct)
     await reader.close()
 
     # -- bare redis-py GET of the encoded value (the client's share of an L2 get)
     client = aredis.Redis.from_url(args.redis_url)
     await client.set(key, value_bytes)
-    rows.append(summarise(f"{label} redis-py GET only", len(value_bytes), await time_async(lambda: client.get(key), args.iters)))
+    rows.append(summarise(f"{label} redis-py GET only", len(value_bytes), await timed_async(lambda: client.get(key), args.iters)))
     await client.aclose()
     return rows
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = results.parser("cache", __doc__)
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=results.RESULTS_DIR / "cache_bench.json")
+    args = parser.parse_args(argv)
+    record = results.provenance(results.command_line("cache", argv))
+    rows, versions = asyncio.run(run(args))
+    results.save({**record, "versions": versions, "rows": rows}, args.out)
+    print(f"wrote {args.out}")
+
+
+async def run(args) -> tuple[list[dict], dict]:
     namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
     torch.manual_seed(0)
 
@@ -182,33 +157,19 @@ async def main() -> None:
     server = sync_client.info("server")
     print(
         f"redis {server['redis_version']}, redis-py {redis.__version__}, hiredis parser: {HIREDIS_AVAILABLE}, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} CPUs"
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
     rows = []
     try:
         rows += await bench_family("llava", llava_features(), args, namespace)
         rows += await bench_family("qwen2vl", qwen2_vl_features(), args, namespace)
     finally:
-        keys = list(sync_client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            sync_client.delete(*keys)
+        delete_namespace(sync_client, namespace)
         sync_client.close()
-
-    result = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "versions": {
-            "redis_server": server["redis_version"],
-            "redis_py": redis.__version__,
-            "hiredis": HIREDIS_AVAILABLE,
-            "torch": torch.__version__,
-        },
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    versions = {"redis_server": server["redis_version"], "redis_py": redis.__version__,
+                "hiredis": HIREDIS_AVAILABLE, "torch": torch.__version__}
+    return rows, versions
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit("run it as: python -m bench cache [options]")

@@ -6,40 +6,32 @@ Starts each system under test on the same checkpoint and engine settings
 vLLM's own bench client, reads its counters, stops it, and moves on. Ratios
 Iris / peer are computed within the run.
 
-    .venv/bin/python bench/compare.py --quick        # < 10 min: Iris, Ray Serve LLM, vllm serve; 1 replica
-    .venv/bin/python bench/compare.py                # the full matrix (36 min on 2 CPU cores)
-    .venv/bin/python bench/compare.py --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
-    .venv/bin/python bench/compare.py --quick --profile after --name profile_run   # py-spy every process
+    python -m bench compare --quick        # Iris, Ray Serve LLM, vllm serve; 1 replica; a few points
+    python -m bench compare                # the full matrix
+    python -m bench compare --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
+    python -m bench compare --quick --profile after --name profile_run   # py-spy every process
 
-Writes bench/results/<name>.json (every summary, the git commit and the command),
-<name>.md (the tables) and <name>_*.png (plots); <name> is `compare` or
-`compare_quick`. Needs Redis at 127.0.0.1:6379 for Iris's feature cache.
+Writes bench/results/<name>.json (every summary, with the commit, the command and
+the machine), <name>.md (the tables) and <name>_*.png (plots); <name> is `compare`
+or `compare_quick`. Needs Redis at 127.0.0.1:6379 for Iris's feature cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import cpu_usage, report, systems, vllm_bench  # noqa: E402
-from bench.harness.client import LoadClient  # noqa: E402
-from bench.harness.profiler import Profiler  # noqa: E402
-from bench.harness.rr_proxy import RoundRobinProxy  # noqa: E402
-from bench.harness.workloads import ImageSpec, WorkloadFactory, hash_str  # noqa: E402
+from bench.harness import cpu_usage, report, results, systems, vllm_bench
+from bench.harness.client import LoadClient, warm_up
+from bench.harness.profiler import Profiler
+from bench.harness.rr_proxy import RoundRobinProxy
+from bench.harness.workloads import WorkloadFactory, hash_str, image_prompt_chars
 
 SWEEP_WORKLOAD = "zipf"
 PROFILED_POINTS = ("unique-c1", "repeat-c1")  # a new image and a cached one, one request at a time
@@ -85,35 +77,6 @@ QUICK = [
     LoadPoint("zipf", 24, concurrency=4, sweep=True), LoadPoint("upload_free", 12, concurrency=4),
     LoadPoint("text", 8, concurrency=1),
 ]
-
-
-def _git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _machine() -> str:
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return f"{os.cpu_count()}-core {platform.machine()} machine with {mem_gib:.0f} GiB, no GPU"
-
-
-def image_prompt_chars(checkpoint: str, small_px: int) -> int:
-    """How many tokens one workload image becomes in the prompt (characters, for a byte-level tokenizer)."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    from pipeline.vision_model import VisionModel
-
-    data = base64.b64decode(ImageSpec(0, small_px, small_px).data_url.split(",", 1)[1])
-    return VisionModel(checkpoint).preprocess(Image.open(io.BytesIO(data)).convert("RGB")).num_tokens
 
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
@@ -163,22 +126,10 @@ def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFac
     return {"summary": summary, "description": workload.description, **({"profiles": profiles} if profiles else {})}
 
 
-def warm_up(system: systems.RunningSystem, factory: WorkloadFactory) -> dict:
-    """Two sequential requests, then four at once: first-request costs stay out of the figures,
-    and a system that fails a cold concurrent burst shows it here."""
-    client = LoadClient(system.base_urls, systems.SERVED_NAME)
-    warm = WorkloadFactory(factory.seed + 7919, factory.small_px, factory.prompt_words, factory.max_tokens)
-    first, _ = asyncio.run(client.closed_loop(warm.unique(2), 1))
-    burst, _ = asyncio.run(client.closed_loop(warm.zipf(8, repeat_share=0.5, pool=2), 4))
-    failed = [r for r in first + burst if not r.ok]
-    return {"requests": len(first) + len(burst), "failed": len(failed),
-            "errors": sorted({f"{r.status} {r.error[:160]}" for r in failed})[:3]}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = results.parser("compare", __doc__)
     parser.add_argument("--quick", action="store_true", help="Iris, Ray Serve LLM and vllm serve, 1 replica, "
-                        "a few points: under 10 minutes")
+                        "a few points")
     parser.add_argument("--video", action="store_true", help="the video points only (a model that takes video)")
     parser.add_argument("--model", default="builtin:bench-llava", help="any Iris model reference")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
@@ -189,16 +140,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--name", help="output name under --out-dir (default: compare or compare_quick)")
-    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--profile", metavar="TAG", help=f"py-spy every serving process during {PROFILED_POINTS}; "
                         "summaries in --out-dir as profile_TAG_*.txt (sampling costs CPU: not for reported runs)")
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    run = run_comparison(args, " ".join(["python", "bench/compare.py", *map(shlex.quote, sys.argv[1:])]))
+def main(argv: list[str]) -> None:
+    run = run_comparison(parse_args(argv), results.command_line("compare", argv))
     print(report.markdown(run))
 
 
@@ -229,10 +179,8 @@ def run_comparison(args, command: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or ("compare_quick" if args.quick else "compare")
     log_dir = Path(tempfile.mkdtemp(prefix="iris-compare-logs-"))
-    run = {"model": args.model, "checkpoint": checkpoint, "dtype": dtype, "commit": _git_commit(),
-           "command": command, "machine": _machine(), "seed": args.seed,
-           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
+    run = {**results.provenance(command), "model": args.model, "checkpoint": checkpoint, "dtype": dtype,
+           "seed": args.seed, "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
@@ -253,7 +201,7 @@ def run_comparison(args, command: str) -> dict:
                 bar.update(len(plan))
                 continue
             run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
-                                  "warm_up": warm_up(system, factory)})
+                                  "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory)})
             try:
                 for point in plan:
                     bar.set_description(f"{system_name} x{replicas}: {point.name}")
@@ -273,19 +221,17 @@ def run_comparison(args, command: str) -> dict:
     finally:
         bar.close()
     run["duration_s"] = time.monotonic() - t0
-    run["ratios"] = report.ratios(run["results"])
     _save(run, out_dir, name, plots=not args.no_plots)
     return run
 
 
 def _save(run: dict, out_dir: Path, name: str, plots: bool) -> None:
     run["ratios"] = report.ratios(run["results"])
-    (out_dir / f"{name}.json").write_text(json.dumps(run, indent=1))
-    (out_dir / f"{name}.md").write_text(report.markdown(run))
+    path = results.save(run, out_dir / f"{name}.json", report.markdown(run))
     if plots:
         run["plots"] = [p.name for p in report.plots(run, out_dir / name)]
-        (out_dir / f"{name}.json").write_text(json.dumps(run, indent=1))
+        results.save(run, path)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit("run it as: python -m bench compare [options]")

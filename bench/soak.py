@@ -1,6 +1,6 @@
 """Soak: Iris under a mixed workload at saturation for several minutes, then checks.
 
-    python -m bench.soak --minutes 5            # writes bench/results/soak.json and soak.png
+    python -m bench soak --minutes 5            # writes bench/results/soak.json and soak.png
 
 Starts Iris as the benchmark does (serve_config.yaml, a private Ray cluster, the shared
 Redis with a namespace of its own), runs a closed loop of new, repeated, multi-turn,
@@ -18,13 +18,10 @@ upload-free and text-only conversations, and samples every serving process's RSS
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import itertools
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -32,9 +29,10 @@ from pathlib import Path
 
 import psutil
 
-from bench.harness import systems
+from bench.harness import results, systems
 from bench.harness.client import LoadClient, RequestRecord
 from bench.harness.profiler import serving_processes
+from bench.harness.stats import percentile
 from bench.harness.workloads import WorkloadFactory
 
 RSS_GROWTH_LIMIT = 0.10
@@ -66,7 +64,7 @@ def rss_growth(samples: list[dict], warmup_s: float, window_s: float = WINDOW_S)
         end = points[-1][0]
         first = [r for t, r in points if t <= warmup_s + window_s]
         last = [r for t, r in points if t >= end - window_s]
-        start_mb, end_mb = statistics.median(first) / 2**20, statistics.median(last) / 2**20
+        start_mb, end_mb = percentile(first, 50) / 2**20, percentile(last, 50) / 2**20
         out[name] = {"start_mb": round(start_mb, 1), "end_mb": round(end_mb, 1),
                      "growth": round(end_mb / start_mb - 1, 4), "samples": len(points)}
     return out
@@ -80,18 +78,12 @@ def latency_over_time(records: list[RequestRecord], bin_s: float) -> list[dict]:
     out = []
     for b in sorted(bins):
         ok = [r for r in bins[b] if r.ok]
-        lat = sorted(r.latency_s for r in ok)
-        ttft = sorted(r.ttft_s for r in ok)
+        lat = [r.latency_s for r in ok]
+        ttft = [r.ttft_s for r in ok]
         out.append({"t": b * bin_s, "requests": len(bins[b]), "errors": len(bins[b]) - len(ok),
-                    "latency_p50": _pct(lat, 50), "latency_p95": _pct(lat, 95),
-                    "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95)})
+                    "latency_p50": percentile(lat, 50), "latency_p95": percentile(lat, 95),
+                    "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95)})
     return out
-
-
-def _pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 def redis_key_checks(client, namespace: str, lock_ttl_s: float) -> dict:
@@ -165,20 +157,21 @@ def plot(path: Path, samples: list[dict], latency: list[dict], warmup_s: float) 
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = results.parser("soak", __doc__)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--warmup-s", type=float, default=None, help="default: a fifth of the run")
-    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (saturates 2 cores)")
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     parser.add_argument("--sample-s", type=float, default=2.0, help="RSS sampling interval")
     parser.add_argument("--model", default="builtin:tiny-llava")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/results/soak.json")
+    parser.add_argument("--out", default=str(results.RESULTS_DIR / "soak.json"))
     args = parser.parse_args(argv)
 
     from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
+    record = results.provenance(results.command_line("soak", argv))
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)
     warmup_s = args.warmup_s if args.warmup_s is not None else args.minutes * 60 / 5
@@ -210,18 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     latency = latency_over_time(records, bin_s=10.0)
     checks = verdict(growth, len(errors), keys, locks_after_drain)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": " ".join(["python -m bench.soak", *(argv if argv is not None else sys.argv[1:])]),
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model, "concurrency": args.concurrency, "duration_s": round(duration, 1),
+        **record, "model": args.model, "concurrency": args.concurrency, "duration_s": round(duration, 1),
         "warmup_s": warmup_s, "requests": len(records), "errors": len(errors), "error_samples": errors[:5],
         "checks": checks, "passed": all(checks.values()), "rss_growth": growth,
         "redis": {**keys, "lock_keys": keys["lock_keys"][:20], "keys_without_ttl": keys["keys_without_ttl"][:20],
                   "locks_2s_after_drain": locks_2s_after_drain, "locks_after_drain": locks_after_drain},
         "latency_over_time": latency, "rss_samples": samples,
     }
-    out.write_text(json.dumps(result, indent=1))
+    results.save(result, out)
     plot(out.with_suffix(".png"), samples, latency, warmup_s)
     print(json.dumps({k: result[k] for k in ("duration_s", "requests", "errors", "checks", "passed")}))
     for name, g in growth.items():
@@ -230,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("run it as: python -m bench soak [options]")

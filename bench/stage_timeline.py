@@ -8,31 +8,26 @@ Each request's marks, between the client's send and its first token, become
 segments (e.g. "vision tower", "hop to LLMDecode"); the medians per kind are
 printed and saved.
 
-    .venv/bin/python bench/stage_timeline.py            # bench/results/stage_timeline.{json,md}, ~3 min
+    python -m bench stage-timeline            # bench/results/stage_timeline.{json,md}
 
 One client at a time: with several requests in flight the marks of one request
-could not be told from another's. Run it alone; this machine is noisy.
+could not be told from another's. Run it alone: other load on the machine shows
+in every segment.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.harness import systems  # noqa: E402
-from bench.harness.client import LoadClient  # noqa: E402
-from bench.harness.workloads import WorkloadFactory  # noqa: E402
+from bench.harness import results, systems
+from bench.harness.client import LoadClient, warm_up
+from bench.harness.stats import percentile
+from bench.harness.workloads import WorkloadFactory, image_prompt_chars
 
 # The boundaries in the order a request crosses them, and what lies between each and the next.
 PATH = [
@@ -75,10 +70,10 @@ def summarise(per_request: list[list[tuple[str, str, float]]]) -> dict:
     for segments in per_request:
         for a, b, ms in segments:
             by_segment.setdefault((a, b), []).append(ms)
-    rows = [{"from": a, "to": b, "what": SEGMENT_NAMES[a], "median_ms": round(statistics.median(v), 1),
+    rows = [{"from": a, "to": b, "what": SEGMENT_NAMES[a], "median_ms": round(percentile(v, 50), 1),
              "requests": len(v)} for (a, b), v in sorted(by_segment.items(), key=lambda kv: ORDER[kv[0][0]])]
     totals = [sum(ms for _, _, ms in segments) for segments in per_request]
-    return {"segments": rows, "ttft_median_ms": round(statistics.median(totals), 1) if totals else None,
+    return {"segments": rows, "ttft_median_ms": round(percentile(totals, 50), 1) if totals else None,
             "requests": len(per_request)}
 
 
@@ -95,7 +90,7 @@ def run_kind(client: LoadClient, workload, trace: Path, skip_first: int = 0) -> 
 def markdown(run: dict) -> str:
     kinds = list(run["kinds"])
     lines = [f"# Where an Iris request's time goes ({run['model']})", "",
-             f"Commit `{run['commit']}`; {run['machine']}; {run['started']}.", "",
+             f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.", "",
              f"    {run['command']}", "",
              "Median milliseconds per segment, from the client's send to its first token, one request at a "
              "time. A blank cell: that kind of request does not cross the segment.", "",
@@ -113,18 +108,17 @@ def markdown(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = results.parser("stage-timeline", __doc__)
     parser.add_argument("--model", default="builtin:bench-llava")
     parser.add_argument("--requests", type=int, default=16, help="requests per kind")
     parser.add_argument("--video", action="store_true", help="new and repeated clips instead (a model that "
                         "takes video, e.g. builtin:tiny-qwen2-vl)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="stage_timeline")
-    parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    args = parser.parse_args()
+    parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
+    args = parser.parse_args(argv)
 
-    from bench.compare import _git_commit, _machine, image_prompt_chars, warm_up
     from pipeline.vision_model import checkpoint_dtype
     from pipeline.models.source import resolve_model
 
@@ -133,13 +127,11 @@ def main() -> None:
     factory = WorkloadFactory(args.seed, max_tokens=16)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
     trace = log_dir / "stage_trace.jsonl"
-    run = {"model": args.model, "commit": _git_commit(), "machine": _machine(),
-           "command": "python bench/stage_timeline.py " + " ".join(sys.argv[1:]),
-           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "kinds": {}}
+    run = {**results.provenance(results.command_line("stage-timeline", argv)), "model": args.model, "kinds": {}}
     system = systems.start("iris", 1, engine, log_dir, env={"IRIS_STAGE_TRACE": str(trace)})
     try:
-        warm_up(system, factory)
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
+        warm_up(client, factory)
         n = args.requests
         if args.video:
             run["kinds"]["new clip"] = run_kind(client, factory.video_unique(n), trace)
@@ -151,12 +143,9 @@ def main() -> None:
                 client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace)
     finally:
         system.stop()
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(run, indent=1))
-    (out / f"{args.name}.md").write_text(markdown(run))
+    results.save(run, Path(args.out_dir) / f"{args.name}.json", markdown(run))
     print(markdown(run))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit("run it as: python -m bench stage-timeline [options]")

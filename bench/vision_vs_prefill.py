@@ -8,34 +8,23 @@ built-in checkpoints (ViT-B/16-sized vision towers, small language model):
 - vllm_pixels_cold: vLLM's own pixel path, a new image each time (all of the above inside vLLM)
 - vllm_pixels_warm: the same image again: vLLM's per-instance processor/encoder caches hit
 
-    .venv/bin/python bench/vision_vs_prefill.py [--repeats 10]
+    python -m bench vision-vs-prefill [--repeats 10]
 
 Prints a table and writes bench/results/vision_vs_prefill.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
-import statistics
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import results
+from bench.harness.stats import percentile, timed
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return percentile(timed(fn, repeats, warmup=1), 50) * 1000
 
 
 def bench_family(family: str, repeats: int) -> dict:
@@ -90,26 +79,24 @@ def bench_family(family: str, repeats: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = results.parser("vision-vs-prefill", __doc__)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--families", nargs="+", default=["llava", "qwen2_vl", "qwen2_5_vl"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    record = results.provenance(results.command_line("vision-vs-prefill", argv))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    results = {family: bench_family(family, args.repeats) for family in args.families}
-    print(f"{'family':10} {'tokens':>6} {'ViT M':>6} {'preproc ms':>10} {'vision ms':>9} {'prefill ms':>10} "
+    by_family = {family: bench_family(family, args.repeats) for family in args.families}
+    print(f"{'family':10} {'tokens':>6} {'preproc ms':>10} {'vision ms':>9} {'prefill ms':>10} "
           f"{'vLLM cold ms':>12} {'vLLM warm ms':>12} {'vision/prefill':>14}")
-    for family, r in results.items():
-        print(f"{family:10} {r['visual_tokens']:>6} {r['vision_params_m']:>6} {r['preprocess_ms']:>10.1f} "
+    for family, r in by_family.items():
+        print(f"{family:10} {r['visual_tokens']:>6} {r['preprocess_ms']:>10.1f} "
               f"{r['vision_ms']:>9.1f} {r['prefill_ms']:>10.1f} {r['vllm_pixels_cold_ms']:>12.1f} "
-              f"{r['vllm_pixels_warm_ms']:>12.1f} "
-              f"{r['vision_over_prefill']:>14.1f}")
-    out = ROOT / "bench" / "results" / "vision_vs_prefill.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", "repeats": args.repeats, "results": results},
-                              indent=2))
+              f"{r['vllm_pixels_warm_ms']:>12.1f} {r['vision_over_prefill']:>14.1f}")
+    out = results.save({**record, "repeats": args.repeats, "results": by_family},
+                       results.RESULTS_DIR / "vision_vs_prefill.json")
     print(f"saved {out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit("run it as: python -m bench vision-vs-prefill [options]")

@@ -1,18 +1,30 @@
-"""The benchmark harness (bench/compare.py): workloads are deterministic for a
-seed, Prometheus counters are read right, and a small run against the tiny
-model goes end to end (start Iris, drive it with our client and vLLM's, read
-its counters, write JSON, Markdown and plots, stop it), so the instrument
-every performance claim rests on cannot rot unnoticed."""
+"""The benchmark harness (`python -m bench compare`, bench/harness/): workloads are
+deterministic for a seed, Prometheus counters are read right, and a small run
+against the tiny model goes end to end (start Iris, drive it with our client and
+vLLM's, read its counters, write JSON, Markdown and plots, stop it), so the
+instrument every performance claim rests on cannot rot unnoticed. Also the
+entry point, the provenance record every result carries, the one percentile,
+and the list of saved results."""
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bench.harness.metrics import Counters, parse
 from bench.harness.workloads import WorkloadFactory, chat_messages
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 WORKLOADS = ["unique", "repeat", "zipf", "multiturn", "upload_free", "text"]
 
@@ -93,6 +105,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
     run = compare.run_comparison(args, "pytest smoke")
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert saved["commit"] and saved["command"] == "pytest smoke"
+    assert saved["machine"]["cpus"] == os.cpu_count() and saved["started"]
     assert [s.get("error") for s in saved["starts"]] == [None]
     assert saved["starts"][0]["warm_up"]["failed"] == 0, saved["starts"][0]["warm_up"]
     results = {r["point"]: r for r in saved["results"]}
@@ -111,6 +124,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
     assert 1 <= upload_free["resent"] <= upload_free["distinct_images"] * 4
     md = (tmp_path / "smoke.md").read_text()
     assert "| unique-c1 |" in md and "random_mm-c4" in md
+    assert saved["machine"]["description"] in md and f"{os.cpu_count()} CPUs" in md
     assert sorted(p.name for p in tmp_path.glob("smoke_*.png")) == ["smoke_latency_vs_load.png",
                                                                     "smoke_ttft_by_workload.png"]
     assert run["duration_s"] > 0
@@ -310,3 +324,191 @@ def test_cpu_meter_counts_a_process_tree_by_role():
         assert meter.per_request_ms(0) == {}
     finally:
         burner.kill()
+
+
+# ---- one entry point, one provenance record, one percentile, one list of results
+
+def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
+    import importlib
+
+    from bench.__main__ import EXPERIMENTS, main
+
+    assert set(EXPERIMENTS) == {"compare", "autoscale", "cache", "soak", "stage-timeline", "vision-vs-prefill",
+                                "vllm"}
+    for name, (module_name, _) in EXPERIMENTS.items():
+        module = importlib.import_module(module_name)
+        calls = []
+        monkeypatch.setattr(module, "main", lambda argv, calls=calls: calls.append(argv) or 3)
+        assert main([name, "--seed", "7", "x y"]) == 3
+        assert calls == [["--seed", "7", "x y"]], name
+
+
+def test_entry_point_names_the_experiments_and_refuses_others(capsys):
+    from bench.__main__ import EXPERIMENTS, main
+
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in EXPERIMENTS)
+    assert main([]) == 2 and "usage: python -m bench <experiment>" in capsys.readouterr().err
+    assert main(["compare.py"]) == 2 and "no experiment 'compare.py'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["compare", "autoscale", "cache", "soak", "stage-timeline", "vision-vs-prefill"])
+def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith(f"usage: python -m bench {name} ")
+    options = {"compare": ["--quick", "--video", "--model", "--systems", "--replicas", "--points", "--scale", "--seed",
+                           "--small-px", "--max-tokens", "--name", "--out-dir", "--no-plots", "--profile"],
+               "autoscale": ["--model", "--before-s", "--load-s", "--load-clients", "--after-s", "--idle-max-s",
+                             "--seed", "--num-cpus", "--name", "--out-dir", "--reanalyse"],
+               "cache": ["--iters", "--redis-url", "--out"],
+               "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
+               "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
+               "vision-vs-prefill": ["--repeats", "--families"]}[name]
+    assert all(option in usage for option in options), [o for o in options if o not in usage]
+
+
+def test_python_dash_m_bench_runs_and_the_old_script_paths_say_where_to_go():
+    root = BENCH.parent
+    listing = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd="/", capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0 and "stage-timeline" in listing.stdout, listing.stderr
+    old = subprocess.run([sys.executable, "bench/stage_timeline.py", "--requests", "2"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert old.returncode == 1 and "python -m bench stage-timeline" in old.stderr, old.stderr
+
+
+def _fake_nvidia_smi(folder: Path, output: str, code: int = 0) -> Path:
+    script = folder / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nprintf '{output}'\nexit {code}\n")
+    script.chmod(0o755)
+    return folder
+
+
+def test_provenance_records_the_machine_as_detected(tmp_path, monkeypatch):
+    from bench.harness import results
+
+    record = results.provenance("python -m bench soak --minutes 1")
+    commit = record["commit"].removesuffix("-dirty")
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), record["commit"]
+    # HEAD then: HEAD now or, if a commit has landed since, one of its ancestors.
+    assert subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=BENCH.parent).returncode == 0
+    assert record["command"] == "python -m bench soak --minutes 1"
+    assert record["started"].endswith("+00:00")
+    machine = record["machine"]
+    assert machine["cpus"] == os.cpu_count() and machine["cpus_usable"] == len(os.sched_getaffinity(0))
+    mem_kib = int(re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1))
+    assert abs(machine["memory_gib"] - mem_kib / 2 ** 20) < 0.1
+    assert machine["platform"] == platform.platform() and machine["arch"] == platform.machine()
+    assert machine["description"].startswith(f"{os.cpu_count()}-CPU {platform.machine()} machine with ")
+    # GPUs as this machine has them: named where there are any, "no GPU" only where there are none.
+    assert ("no GPU" in machine["description"]) == (machine["gpus"] == [])
+    assert all(gpu in machine["description"] for gpu in machine["gpus"])
+
+    # nvidia-smi answers first, where it is installed.
+    fake = _fake_nvidia_smi(tmp_path, "NVIDIA H200\\nNVIDIA H200\\n")
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    two = results.detect_machine()
+    assert two["gpus"] == ["NVIDIA H200", "NVIDIA H200"]
+    assert two["description"].endswith("GiB, 2× NVIDIA H200") and "no GPU" not in two["description"]
+    assert results.label(two) == f"{os.cpu_count()} CPUs, NVIDIA H200"
+    assert results.label({**two, "gpus": []}) == f"{os.cpu_count()} CPUs, no GPU"
+    assert results.command_line("compare", ["--points", "unique-c1", "a b"]) == \
+        "python -m bench compare --points unique-c1 'a b'"
+
+
+def test_results_are_saved_only_with_provenance_and_reports_say_the_machine(tmp_path):
+    from bench.harness import report, results
+    from bench.stage_timeline import markdown as timeline_markdown
+
+    with pytest.raises(ValueError, match="provenance"):
+        results.save({"command": "x"}, tmp_path / "x.json")
+    gpu_box = {"cpus": 16, "cpus_usable": 16, "memory_gib": 128.0, "gpus": ["NVIDIA H200"], "platform": "Linux",
+               "arch": "x86_64", "python": "3.11"}
+    gpu_box["description"] = results.describe(gpu_box)
+    summary = {"requests": 2, "ok": 2, "failed": 0, "req_per_s": 1.0, "ttft_ms": {"p50": 10.0, "p90": 12.0},
+               "tpot_ms": {"p50": 1.0}, "cpu_ms_per_request": {"total": 50.0, "LLMDecode": 50.0}}
+    run = {"commit": "abc", "command": "python -m bench compare", "started": "now", "machine": gpu_box,
+           "model": "m", "duration_s": 60, "systems": ["iris"], "ratios": [],
+           "results": [{"system": "iris", "replicas": 1, "point": "unique-c1", "summary": summary}]}
+    path = results.save(run, tmp_path / "run.json", report.markdown(run))
+    assert json.loads(path.read_text())["machine"] == gpu_box
+    md = (tmp_path / "run.md").read_text()
+    assert "16-CPU x86_64 machine with 128 GiB, NVIDIA H200" in md
+    assert "this machine's 16 CPUs, 1000 ms of CPU per second is 6% of the machine" in md
+    assert "2 cores" not in md and "no GPU" not in md and "CPU figures" not in md
+    timeline = timeline_markdown({**run, "kinds": {"new image": {"segments": [], "ttft_median_ms": 1.0}}})
+    assert "NVIDIA H200" in timeline
+
+
+def test_percentile_interpolates_between_ranks():
+    import numpy as np
+
+    from bench.harness.stats import distribution, percentile
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101):
+        values = list(rng.normal(size=n))
+        for q in (0, 5, 25, 50, 90, 95, 99, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-12), (n, q)
+        assert percentile(values, 50) == pytest.approx(statistics.median(values), abs=1e-12)
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None and percentile(iter([2.0, 1.0]), 100) == 2.0
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    assert distribution([0.001, 0.002, 0.003], 1000) == pytest.approx({"p50": 2.0, "p90": 2.8, "p99": 2.98,
+                                                                        "mean": 2.0})
+    assert distribution([], 1000) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_bench_code_has_one_percentile_and_no_path_edits_or_private_imports_between_experiments():
+    """bench/harness/stats.py holds the percentile; experiments share helpers only through bench/harness/."""
+    from bench.__main__ import EXPERIMENTS
+
+    experiments = {module for module, _ in EXPERIMENTS.values() if not module.startswith("bench.harness.")}
+    problems = []
+    for path in sorted(BENCH.rglob("*.py")):
+        where = path.relative_to(BENCH.parent)
+        source = path.read_text()
+        for banned in ("sys.path", "statistics.median", "statistics.quantiles", "np.percentile", "np.quantile",
+                       "numpy.percentile"):
+            if banned in source:
+                problems.append(f"{where}: {banned}")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module in experiments:
+                problems.append(f"{where}: imports from the experiment {node.module}")
+            if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(pct|percentile|quantile)", node.name) \
+                    and where.as_posix() != "bench/harness/stats.py":
+                problems.append(f"{where}: a percentile of its own ({node.name})")
+    assert problems == []
+
+
+def _listed_results(readme: str) -> list[str]:
+    """File names in the first column of the README's `| file | made by | what |` table."""
+    lines = readme.splitlines()
+    start = lines.index("| file | made by | what |") + 2
+    names = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        names += re.findall(r"`([^`]+)`", line.split("|")[1])
+    return names
+
+
+def test_results_readme_lists_exactly_the_files_that_exist():
+    results_dir = BENCH / "results"
+    listed = _listed_results((results_dir / "README.md").read_text())
+    on_disk = sorted(p.relative_to(results_dir).as_posix() for p in results_dir.rglob("*")
+                     if p.is_file() and p.name != "__pycache__" and p.relative_to(results_dir).as_posix() != "README.md")
+    assert len(listed) == len(set(listed)), "a file is listed twice"
+    assert sorted(listed) == on_disk
+    # The results the repository's README and docs cite by path are among them.
+    docs = [BENCH.parent / "README.md", *sorted((BENCH.parent / "docs").glob("*.md"))]
+    cited = {name for doc in docs if doc.exists()
+             for name in re.findall(r"bench/results/([\w./-]+\.\w+)", doc.read_text())} - {"README.md"}
+    assert cited and cited <= set(listed), cited - set(listed)

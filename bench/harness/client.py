@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
-from bench.harness.workloads import Conversation, Workload, chat_messages
+from bench.harness.workloads import Conversation, Workload, WorkloadFactory, chat_messages
 
 
 @dataclass
@@ -181,3 +181,14 @@ class LoadClient:
         return aiohttp.ClientSession(timeout=self.timeout,
                                      connector=aiohttp.TCPConnector(limit=max(1, connections)))
 
+
+
+def warm_up(client: LoadClient, factory: WorkloadFactory) -> dict:
+    """Two sequential requests, then four at once: first-request costs stay out of the figures,
+    and a system that fails a cold concurrent burst shows it here."""
+    warm = WorkloadFactory(factory.seed + 7919, factory.small_px, factory.prompt_words, factory.max_tokens)
+    first, _ = asyncio.run(client.closed_loop(warm.unique(2), 1))
+    burst, _ = asyncio.run(client.closed_loop(warm.zipf(8, repeat_share=0.5, pool=2), 4))
+    failed = [r for r in first + burst if not r.ok]
+    return {"requests": len(first) + len(burst), "failed": len(failed),
+            "errors": sorted({f"{r.status} {r.error[:160]}" for r in failed})[:3]}

@@ -4,7 +4,7 @@ as text: where each process spends its samples, self and inclusive, idle exclude
 Processes are found under the system's own process tree: Ray Serve replicas
 (`ray::ServeReplica:<app>:<Deployment>`), vLLM engine cores and workers, and a
 `vllm serve` server itself. Sampling costs CPU, so profile in a run of its own
-(`bench/compare.py --profile`), never in the run whose figures are reported.
+(`python -m bench compare --profile`), never in the run whose figures are reported.
 """
 
 from __future__ import annotations

@@ -7,23 +7,11 @@ from pathlib import Path
 
 from bench.harness.client import RequestRecord
 from bench.harness.metrics import Counters
+from bench.harness.results import label
+from bench.harness.stats import distribution
 
 IRIS = "iris"
 PEERS = ("rayllm", "rayllm-affinity", "vllm")
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return (values[lo] + (values[hi] - values[lo]) * (k - lo)) * 1000
-
-
-def _dist(values: list[float]) -> dict:
-    return {"p50": _pct(values, 0.5), "p90": _pct(values, 0.9), "p99": _pct(values, 0.99),
-            "mean": statistics.fmean(values) * 1000 if values else None}
 
 
 def summarize(records: list[RequestRecord], duration_s: float, distinct_images: int,
@@ -33,8 +21,9 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
     summary = {
         "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
         "duration_s": duration_s, "req_per_s": len(ok) / duration_s if duration_s else None,
-        "ttft_ms": _dist([r.ttft_s for r in ok]), "latency_ms": _dist([r.latency_s for r in ok]),
-        "tpot_ms": _dist(tpot),
+        "ttft_ms": distribution([r.ttft_s for r in ok], 1000),
+        "latency_ms": distribution([r.latency_s for r in ok], 1000),
+        "tpot_ms": distribution(tpot, 1000),
         "output_tokens_mean": statistics.fmean(r.output_tokens for r in ok) if ok else None,
         "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
         "resent": sum(r.resent for r in records),
@@ -94,8 +83,9 @@ def markdown(run: dict) -> str:
     index = _index(results)
     systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
     points = list(dict.fromkeys(r["point"] for r in results))
+    machine = run["machine"]
     lines = [f"# Iris vs Ray Serve LLM vs `vllm serve` ({run['model']})", "",
-             f"CPU figures from a {run['machine']}; commit `{run['commit']}`; {run['started']}; "
+             f"Figures from a {machine['description']}; commit `{run['commit']}`; {run['started']}; "
              f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
              "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
              "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", ""]
@@ -149,7 +139,8 @@ def markdown(run: dict) -> str:
         lines += ["", "## CPU per request, by process", "",
                   "CPU milliseconds (user + system) each request cost, from the load's start to its end, summed over "
                   "every process of the system (Ray's own included) and the Redis server; the six largest roles "
-                  "(bench/harness/cpu_usage.py). On 2 cores, 1000 ms of CPU per second is half the machine.", "",
+                  f"(bench/harness/cpu_usage.py). On this machine's {machine['cpus']} CPUs, 1000 ms of CPU per second "
+                  f"is {100 / machine['cpus']:.0f}% of the machine.", "",
                   "| system | replicas | load point | total | largest |", "|---|---|---|---|---|"]
         for r in cpu_rows:
             cpu = dict(r["summary"]["cpu_ms_per_request"])
@@ -175,6 +166,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
     systems = [s for s in run["systems"] if any(r["system"] == s for r in results)]
     # One colour per system in every panel, whichever systems a panel has.
     colour = {s: f"C{i}" for i, s in enumerate(run["systems"])}
+    where = f"{label(run['machine'])}, {run['model']}"
     saved = []
 
     # Latency against achieved load, for the points of the load sweep.
@@ -192,7 +184,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    saved.append(_finish(plt, fig, f"Latency vs load (CPU, {run['model']})", out_prefix, "latency_vs_load"))
+    saved.append(_finish(plt, fig, f"Latency vs load ({where})", out_prefix, "latency_vs_load"))
 
     # p50 TTFT per load point, grouped by system.
     points = list(dict.fromkeys(r["point"] for r in results if not r.get("sweep")))
@@ -212,7 +204,7 @@ def plots(run: dict, out_prefix: Path) -> list[Path]:
         ax.set_title(f"{replicas} decode replica(s)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
-    saved.append(_finish(plt, fig, f"p50 TTFT by workload (CPU, {run['model']})", out_prefix, "ttft_by_workload"))
+    saved.append(_finish(plt, fig, f"p50 TTFT by workload ({where})", out_prefix, "ttft_by_workload"))
     return saved
 
 

@@ -36,9 +36,9 @@ import httpx
 import yaml
 
 from bench.harness.metrics import Counters, scrape
+from bench.harness.results import ROOT
 from pipeline.cpu_binding import omp_threads_bind
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
 SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "rayllm", "rayllm-affinity", "vllm")
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
@@ -102,19 +102,30 @@ class RunningSystem:
                 os.killpg(proc.pid, signal.SIGKILL)  # the runner's Ray and vLLM processes share its session
                 proc.wait(30)
         if self.namespace:
-            _delete_keys(self.namespace)
+            import redis
+
+            try:
+                delete_namespace(redis.Redis(host="127.0.0.1", port=6379), self.namespace)
+            except redis.RedisError:
+                pass
+
+    def wait_ready(self, health_urls: list[str | None], started: float, timeout_s: float) -> "RunningSystem":
+        """Wait until every process serves (_wait_ready, one health URL each), or stop them all."""
+        try:
+            for proc, log, health_url in zip(self.procs, self.logs, health_urls):
+                _wait_ready(proc, log, health_url, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - started
+        return self
 
 
-def _delete_keys(namespace: str) -> None:
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    except redis.RedisError:
-        pass
+def delete_namespace(client, namespace: str) -> None:
+    """Deletes every Redis key under `namespace:` (a bench run's own keys; never a flush)."""
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
 
 
 def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str,
@@ -235,13 +246,7 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     proc = _spawn(cmd, log, env)
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
-    try:
-        _wait_ready(proc, log, None, timeout_s)
-    except BaseException:
-        system.stop()
-        raise
-    system.start_s = time.monotonic() - started
-    return system
+    return system.wait_ready([None], started, timeout_s)
 
 
 def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
@@ -268,11 +273,4 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)
-    try:
-        for proc, log, base in zip(procs, logs, bases):
-            _wait_ready(proc, log, f"{base}/health", timeout_s)
-    except BaseException:
-        system.stop()
-        raise
-    system.start_s = time.monotonic() - started
-    return system
+    return system.wait_ready([f"{b}/health" for b in bases], started, timeout_s)

