@@ -84,6 +84,17 @@ class Features:
                 raise TypeError(f"tensor {name!r}: unsupported dtype {tensor.dtype}")
 
     @property
+    def num_tokens(self) -> int | None:
+        """How many placeholder tokens these features fill in the prompt (the encoder records it)."""
+        n = self.meta.get("num_tokens")
+        return n if isinstance(n, int) else None  # (a value read from Redis may carry anything)
+
+    @property
+    def modality(self) -> str:
+        """"image" or "video"; values written before videos existed are images."""
+        return self.meta.get("modality", "image")
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 

@@ -25,10 +25,7 @@ class CacheConfig(BaseModel):
         "by that environment variable, URL-quoted (e.g. redis://:${IRIS_REDIS_PASSWORD}@host:6379/0).",
     )
     namespace: str = Field(
-        DEFAULT_NAMESPACE,
-        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
-        description="Key prefix; must equal the namespace the keys were built with.",
-    )
+        DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Key prefix; must equal the namespace the keys were built with.")
     l1_max_bytes: int = Field(
         1 * GiB, ge=0, description="Bytes of features kept in process memory; 0 disables L1."
     )
@@ -36,38 +33,22 @@ class CacheConfig(BaseModel):
         86400.0, gt=0, description="Time to live of every entry written to Redis, in seconds."
     )
     max_value_bytes: int = Field(
-        64 * MiB,
-        gt=0,
-        description="Encoded values larger than this are not written to Redis (counted as oversize); "
-        "they stay in L1.",
-    )
+        64 * MiB, gt=0, description="Encoded values larger than this are not written to Redis (counted as oversize); "
+        "they stay in L1.")
     redis_connect_timeout_s: float = Field(
         0.25, gt=0, description="Timeout of a TCP connect to Redis before the cache goes degraded."
     )
     redis_timeout_s: float = Field(
-        0.25,
-        gt=0,
-        description="How long one reply may take (one value's, for GET/SET of values, which are "
-        "pipelined per value) before the cache goes degraded.",
-    )
+        0.25, gt=0, description="How long one reply may take (one value's, for GET/SET of values, which are "
+        "pipelined per value) before the cache goes degraded.")
     redis_pool_size: int = Field(
-        16,
-        ge=1,
-        le=1024,
-        description="Concurrent Redis commands per FeatureCache, and the size of its connection pool.",
-    )
+        16, ge=1, le=1024, description="Concurrent Redis commands per FeatureCache, and the size of its connection pool.")
     lock_ttl_s: float = Field(
-        30.0,
-        gt=0,
-        description="Expiry of the single-flight lock of a replica computing a key; should exceed "
-        "the longest compute, else another replica starts computing the same key.",
-    )
+        30.0, gt=0, description="Expiry of the single-flight lock of a replica computing a key; should exceed "
+        "the longest compute, else another replica starts computing the same key.")
     single_flight_wait_s: float = Field(
-        10.0,
-        gt=0,
-        description="How long a caller waits for another replica's computation before computing "
-        "itself (counted as a wait timeout).",
-    )
+        10.0, gt=0, description="How long a caller waits for another replica's computation before computing "
+        "itself (counted as a wait timeout).")
     single_flight_poll_s: float = Field(
         0.02, gt=0, description="Interval at which a waiting caller checks Redis for the result."
     )

@@ -122,7 +122,7 @@ class LLMDecode:
             features = [f if f is not None else found[k] for k, f in zip(keys, features)]
             # A stored value of another modality than its key's (forged) counts as absent.
             missing = [k for k, f, m in zip(keys, features, modalities)
-                       if f is None or f.meta.get("modality", "image") != m]
+                       if f is None or f.modality != m]
             if missing:
                 yield DecodeChunk(missing_keys=missing)
                 return
@@ -132,7 +132,7 @@ class LLMDecode:
         # /v1/completions: vLLM adds the tokenizer's special tokens (BOS); chat: the template holds them.
         # vLLM expands each image placeholder into its feature tokens.
         token_ids = self._prompt_token_ids(request.prompt, request.messages, req.add_special_tokens)
-        n_prompt = len(token_ids) + sum(int(f.meta["num_tokens"]) - 1 for f in features)
+        n_prompt = len(token_ids) + sum(f.num_tokens - 1 for f in features)
         error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
             yield DecodeChunk(error=bad_request(error, param="messages", code="context_length_exceeded"))

@@ -104,7 +104,7 @@ class VisionEncoder:
         (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()
         features = result.features.cpu()
-        encoded = EncodedMedia(key, int(features.meta.get("num_tokens", pixels.num_tokens)), ray.put(features))
+        encoded = EncodedMedia(key, features.num_tokens or pixels.num_tokens, ray.put(features))
         mark("encoder.end", key)
         return encoded
 

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,15 @@ from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.vllm_sampling import check_max_tokens, validate_sampling
 
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
+
+
+@dataclass
+class Reply:
+    """How an opened answer goes out: streamed as `events(chunks)`, or whole as `whole(answer)`."""
+    stream: bool
+    events: Callable[[AsyncIterator], AsyncIterator[str]]
+    whole: Callable[[openai_format.Answer], object]
+    headers: dict | None = None
 
 
 def _json(model, headers: dict | None = None) -> Response:
@@ -70,61 +80,12 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        start = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        try:
-            async with asyncio.timeout_at(deadline):
-                request_id = f"chatcmpl-{uuid.uuid4().hex}"
-                mark("ingress.received", request_id)
-                body = await self._body(request)
-                chat = parse_chat_request(body, self.config.max_images_per_prompt, self.config.max_videos_per_prompt)
-                mark("ingress.parsed", request_id)
-                check_max_tokens(chat.sampling, self.config.max_tokens_limit)
-                self._check_model(chat.model)
-                tenant = tenant_of(request.headers, self.config.tenant_header)
-                media = await self.features.resolve(chat, tenant)
-                mark("ingress.features_ready", request_id)
-                messages = template_messages(chat)
-                stream = await self.features.open_decode(media, lambda delivered: DecodeStream.open(
-                    self.decode, DecodeRequest(request_id, messages, media.keys, chat.sampling, delivered, tenant,
-                                               modalities=media.modalities)))
-                self.metrics.ttft.observe(time.perf_counter() - start)
-                mark("ingress.first_token", request_id)
-        except Exception as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
-            return self._error(err, "chat completion failed")
-        headers = {"x-iris-images": f"cached={media.cached},computed={media.computed}"}
-        model, chunks = self.config.model_name, stream.chunks(deadline)
-        if chat.stream:
-            return self._stream(openai_format.chat_events(chunks, request_id, model, chat.sampling.n or 1,
-                                                          chat.include_usage), chunks, headers)
-        return await self._whole(chunks, lambda answer: answer.chat(request_id, model), headers, "chat completion")
+        return await self._answer(self._open_chat, request, "chat completion")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         """Text prompts, with the chat endpoint's sampling surface (vLLM's CompletionRequest)."""
-        start = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        try:
-            async with asyncio.timeout_at(deadline):
-                req = validate_sampling(await self._body(request), "completion")
-                check_max_tokens(req, self.config.max_tokens_limit)
-                prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
-                if not isinstance(prompt, str):
-                    raise bad_request("prompt must be a string (token ids and batches are not supported)",
-                                      param="prompt")
-                self._check_model(req.model)
-                request_id = f"cmpl-{uuid.uuid4().hex}"
-                tenant = tenant_of(request.headers, self.config.tenant_header)
-                stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=tenant,
-                                                                            prompt=prompt))
-                self.metrics.ttft.observe(time.perf_counter() - start)
-        except Exception as err:
-            return self._error(err, "completion failed")
-        model, chunks = self.config.model_name, stream.chunks(deadline)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(openai_format.text_events(chunks, request_id, model, include_usage), chunks)
-        return await self._whole(chunks, lambda answer: answer.text(request_id, model), None, "completion")
+        return await self._answer(self._open_text, request, "completion")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
@@ -148,6 +109,63 @@ class Ingress:
         except Exception as err:
             return self._error(err, "detokenize failed")
 
+    # --- answers --------------------------------------------------------------
+    async def _open_chat(self, request: Request) -> tuple[DecodeStream, Reply]:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        mark("ingress.received", request_id)
+        chat = parse_chat_request(await self._body(request), self.config.max_images_per_prompt,
+                                  self.config.max_videos_per_prompt)
+        mark("ingress.parsed", request_id)
+        check_max_tokens(chat.sampling, self.config.max_tokens_limit)
+        self._check_model(chat.model)
+        tenant = tenant_of(request.headers, self.config.tenant_header)
+        media = await self.features.resolve(chat, tenant)
+        mark("ingress.features_ready", request_id)
+        messages = template_messages(chat)
+        stream = await self.features.open_decode(media, lambda delivered: DecodeStream.open(
+            self.decode, DecodeRequest(request_id, messages, media.keys, chat.sampling, delivered, tenant,
+                                       modalities=media.modalities)))
+        mark("ingress.first_token", request_id)
+        model = self.config.model_name
+        return stream, Reply(
+            chat.stream, lambda chunks: openai_format.chat_events(chunks, request_id, model, chat.sampling.n or 1,
+                                                                  chat.include_usage),
+            lambda answer: answer.chat(request_id, model),
+            {"x-iris-images": f"cached={media.cached},computed={media.computed}"})
+
+    async def _open_text(self, request: Request) -> tuple[DecodeStream, Reply]:
+        req = validate_sampling(await self._body(request), "completion")
+        check_max_tokens(req, self.config.max_tokens_limit)
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
+        self._check_model(req.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tenant = tenant_of(request.headers, self.config.tenant_header)
+        stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=tenant,
+                                                                    prompt=prompt))
+        model = self.config.model_name
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        return stream, Reply(req.stream, lambda chunks: openai_format.text_events(chunks, request_id, model,
+                                                                                  include_usage),
+                             lambda answer: answer.text(request_id, model))
+
+    async def _answer(self, open_answer: Callable, request: Request, what: str) -> Response:
+        """`open_answer(request)` within the request's deadline, then its answer, streamed or whole."""
+        start = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                stream, reply = await open_answer(request)
+            self.metrics.ttft.observe(time.perf_counter() - start)
+        except Exception as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
+            return self._error(err, f"{what} failed")
+        chunks = stream.chunks(deadline)
+        if reply.stream:
+            return StreamingResponse(self._sse(reply.events(chunks), chunks), media_type="text/event-stream",
+                                     headers=reply.headers)
+        return await self._whole(chunks, reply.whole, reply.headers, what)
+
     # --- helpers --------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
         return await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
@@ -168,9 +186,6 @@ class Ingress:
             await chunks.aclose()
         self.metrics.outcome("ok")
         return _json(render(answer), headers)
-
-    def _stream(self, events: AsyncIterator[str], chunks: AsyncIterator, headers: dict | None = None):
-        return StreamingResponse(self._sse(events, chunks), media_type="text/event-stream", headers=headers)
 
     async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator):
         """A streamed answer's body: the events, then [DONE]. Once the stream has started, an

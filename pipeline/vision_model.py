@@ -323,7 +323,7 @@ class VisionModel:
         """Why `features` cannot be this model's encoder output for one item, or None.
         vLLM's own parser and processor judge them as it would a request's embeddings
         (hidden size, placeholder size from the metadata fields); Iris adds names and dtype."""
-        modality = features.meta.get("modality", "image")
+        modality = features.modality
         if modality not in self.modalities:
             return f"{modality!r} features; this model serves {list(self.modalities)}"
         form = self.forms[modality]
@@ -333,7 +333,7 @@ class VisionModel:
         values = features.tensors[form.values_field]
         if values.dtype != self.dtype:
             return f"{form.values_field} has dtype {values.dtype}, expected {self.dtype}"
-        if values.ndim != 2 or features.meta.get("num_tokens") != values.shape[0]:
+        if values.ndim != 2 or features.num_tokens != values.shape[0]:
             return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
         if form.width is not None and values.shape[1] != form.width:
             return f"{form.values_field} is {values.shape[1]} wide, this model's features {form.width}"

@@ -5,8 +5,8 @@
 writes a Hugging Face hub-layout checkpoint (config, safetensors weights, a
 byte-level BPE tokenizer, image processor, processor, chat template) that both
 transformers and vLLM load. Weights are seeded, so the same arguments always
-give the same checkpoint. One module per family; each has `SPECS` (size ->
-`Spec`) and `build(spec, out)`.
+give the same checkpoint. One module per family with its `build(spec, out)`; the
+sizes of all (size -> `Spec`) are in BUILDERS below.
 
 - `tiny`: hidden size 128, 2 layers, small images; for tests.
 - `bench`: a realistically sized vision tower in front of a small language
@@ -37,18 +37,48 @@ class Builtin:
     served: bool = True
 
 
+# Spec: text hidden, layers, heads, kv heads; vision hidden, layers, heads; image side, patch; dtype.
+QWEN2_SIZES = {  # Qwen2-VL and Qwen2.5-VL
+    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+    "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
+}
 BUILDERS = {
-    "llava": Builtin(llava.SPECS, llava.build),
-    "qwen2_vl": Builtin(qwen2_vl.SPECS, qwen2_vl.build),
-    "qwen2_5_vl": Builtin(qwen2_vl.SPECS, qwen2_vl.build_2_5),
-    "qwen3_vl": Builtin(qwen3_vl.SPECS, qwen3_vl.build),
-    "qwen3_5": Builtin(qwen3_5.SPECS, qwen3_5.build),
-    "llava_next": Builtin(llava_next.SPECS, llava_next.build),
-    "internvl": Builtin(internvl.SPECS, internvl.build),
-    "minicpmv4_6": Builtin(minicpmv4_6.SPECS, minicpmv4_6.build),
-    "gemma3": Builtin(gemma3.SPECS, gemma3.build, served=False),
-    "idefics3": Builtin(idefics3.SPECS, idefics3.build, served=False),
-    "mistral3": Builtin(mistral3.SPECS, mistral3.build, served=False),
+    "llava": Builtin({
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
+    }, llava.build),
+    "qwen2_vl": Builtin(QWEN2_SIZES, qwen2_vl.build),
+    "qwen2_5_vl": Builtin(QWEN2_SIZES, qwen2_vl.build_2_5),
+    "qwen3_vl": Builtin({
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
+    }, qwen3_vl.build),
+    "qwen3_5": Builtin({
+        # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
+        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
+    }, qwen3_5.build),
+    "llava_next": Builtin({
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+    }, llava_next.build),
+    "internvl": Builtin({
+        # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+    }, internvl.build),
+    "minicpmv4_6": Builtin({
+        # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
+        # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
+        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
+    }, minicpmv4_6.build),
+    "gemma3": Builtin({
+        # 64 px of 8 px patches: 8x8 patches, average-pooled to 4x4 = 16 tokens an image.
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 8, "float32"),
+    }, gemma3.build, served=False),
+    "idefics3": Builtin({
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
+    }, idefics3.build, served=False),
+    "mistral3": Builtin({
+        # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
+    }, mistral3.build, served=False),
 }
 FAMILIES = tuple(BUILDERS)
 SERVED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.served)

@@ -10,6 +10,8 @@ from pathlib import Path
 # output barely depends on the image; a wider init makes tests sensitive to it.
 INIT_RANGE = 0.2
 SEED = 1234
+# OpenAI CLIP's normalisation, which LLaVA-family image processors use.
+CLIP_MEAN_STD = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, p
 
 def token_ids(tokenizer, tokens: list[str]) -> dict[str, int]:
     return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+
+
+def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The special-token ids of a Qwen-VL config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
 
 
 def chat_template(user_prefix: str, user_suffix: str, assistant_prefix: str, assistant_suffix: str,

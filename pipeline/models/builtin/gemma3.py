@@ -12,10 +12,6 @@ from pathlib import Path
 from pipeline.models.builtin.common import (INIT_RANGE, Spec, byte_level_tokenizer, chat_template,
                                             hub_vision_tower_name, rename_weights, save)
 
-SPECS = {
-    # 64 px of 8 px patches: 8x8 patches, average-pooled to 4x4 = 16 tokens an image.
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 8, "float32"),
-}
 TOKENS_PER_SIDE = 4
 
 NL = "{{ '\\n' }}"

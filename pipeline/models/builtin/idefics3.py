@@ -11,9 +11,6 @@ from pathlib import Path
 
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save, token_ids
 
-SPECS = {
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
-}
 
 SCALE_FACTOR = 2  # pixel shuffle: SCALE_FACTOR² patches -> one token
 MAX_TILES_PER_SIDE = 2  # images are resized to at most this many tiles across

@@ -7,10 +7,6 @@ from pathlib import Path
 
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save
 
-SPECS = {
-    # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-}
 MAX_TILES = 2  # tiles an image is cut into at most (plus a thumbnail when more than one)
 DOWNSAMPLE_RATIO = 0.5
 

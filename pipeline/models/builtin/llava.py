@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models.builtin.common import (INIT_RANGE, Spec, byte_level_tokenizer, hub_vision_tower_name,
-                                            rename_weights, save)
+from pipeline.models.builtin.common import (CLIP_MEAN_STD, INIT_RANGE, Spec, byte_level_tokenizer,
+                                            hub_vision_tower_name, rename_weights, save)
 
-SPECS = {
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
-}
 
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -30,13 +26,12 @@ LLAVA_CHAT_TEMPLATE = (
 LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 
 
-def build(spec: Spec, out: Path) -> None:
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+def clip_llama(spec: Spec):
+    """The tokenizer, its special ids, and the CLIP tower's and Llama's configs of the LLaVA family."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
     tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL}
-    vocab_size = len(tokenizer)
     vision = CLIPVisionConfig(
         hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
         num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
@@ -44,12 +39,27 @@ def build(spec: Spec, out: Path) -> None:
         initializer_range=INIT_RANGE,
     )
     text = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
+        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads, max_position_embeddings=4096,
         bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
         initializer_range=INIT_RANGE, tie_word_embeddings=False,
     )
+    return tokenizer, ids, vision, text
+
+
+def llava_processor(processor_class, image_processor, tokenizer, spec: Spec):
+    return processor_class(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.patch_size,
+        vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
+
+
+def build(spec: Spec, out: Path) -> None:
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer, ids, vision, text = clip_llama(spec)
     num_patches = (spec.image_size // spec.patch_size) ** 2
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=ids["<image>"],
@@ -62,13 +72,9 @@ def build(spec: Spec, out: Path) -> None:
         size={"shortest_edge": spec.image_size},
         crop_size={"height": spec.image_size, "width": spec.image_size},
         do_center_crop=True, do_resize=True, do_normalize=True, do_convert_rgb=True,
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        **CLIP_MEAN_STD,
     )
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.patch_size,
-        vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
-        num_additional_image_tokens=1,
-    )
+    processor = llava_processor(LlavaProcessor, image_processor, tokenizer, spec)
     model = LlavaForConditionalGeneration(config)
     save(model, processor, tokenizer, spec, out)
     rename_weights(out, hub_vision_tower_name)

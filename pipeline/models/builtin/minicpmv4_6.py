@@ -17,11 +17,6 @@ from pathlib import Path
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save, token_ids
 from pipeline.models.builtin.qwen3_5 import hybrid_text_config
 
-SPECS = {
-    # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
-    # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
-    "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
-}
 
 MAX_SLICES = 4
 

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save, token_ids
+from pipeline.models.builtin.common import (CLIP_MEAN_STD, INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save,
+                                            token_ids)
 
-SPECS = {
-    # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
-}
 
 MERGE = 2  # spatial_merge_size: MERGE × MERGE patches -> one token
 
@@ -59,7 +56,7 @@ def build(spec: Spec, out: Path) -> None:
     image_processor = PixtralImageProcessor(
         size={"longest_edge": spec.image_size}, patch_size={"height": spec.patch_size, "width": spec.patch_size},
         do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        **CLIP_MEAN_STD,
     )
     processor = PixtralProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.patch_size,

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, save
+from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, qwen_vision_token_ids, save
 
-SPECS = {
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
-    "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
-}
 
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -27,7 +23,6 @@ QWEN2_VL_SPECIAL = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
     "<|image_pad|>", "<|video_pad|>",
 ]
-
 
 
 def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
@@ -69,9 +64,7 @@ def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
         )
     config = config_cls(
         text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
     config.initializer_range = INIT_RANGE
@@ -90,8 +83,6 @@ def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
     )
     model = model_cls(config)
     save(model, processor, tokenizer, spec, out)
-
-
 
 
 def build_2_5(spec: Spec, out: Path) -> None:

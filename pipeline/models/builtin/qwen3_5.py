@@ -16,11 +16,6 @@ from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenize
 from pipeline.models.builtin.qwen2_vl import QWEN2_VL_SPECIAL
 from pipeline.models.builtin.qwen3_vl import qwen3_vl_processor, vision_config
 
-SPECS = {
-    # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
-    "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
-}
-
 
 def build(spec: Spec, out: Path) -> None:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration

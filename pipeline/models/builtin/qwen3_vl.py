@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, save
+from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, qwen_vision_token_ids, save
 from pipeline.models.builtin.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, QWEN2_VL_SPECIAL
-
-SPECS = {
-    "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
-}
 
 
 def build(spec: Spec, out: Path) -> None:
@@ -35,9 +31,7 @@ def build(spec: Spec, out: Path) -> None:
     vision = vision_config(spec, deepstack=True)
     config = Qwen3VLConfig(
         text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
     config.initializer_range = INIT_RANGE
