@@ -21,11 +21,8 @@ vLLM takes the model's own features back for it (checked at load).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from PIL import Image
 
 from cache_service.codec import Features
 from cache_service.keys import content_hash
+from pipeline.encoder_loading import load_encoder_only
 
 FINGERPRINT_CHARS = 16
 MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
@@ -46,10 +44,6 @@ MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves
 _METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, image.height])}
 
 logger = logging.getLogger(__name__)
-
-# vLLM's torch.distributed state is per process: one model is built at a time.
-_DISTRIBUTED_LOCK = threading.Lock()
-
 
 @dataclass
 class PixelInputs:
@@ -180,22 +174,7 @@ class VisionModel:
     # --- VisionEncoder ------------------------------------------------------------
     def load_encoder(self) -> None:
         """vLLM's model class with the tower and projector only, on vLLM's device."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader import get_model_loader
-
-        # What get_model does, with the weights hashed as loaded: vLLM then repacks some
-        # into kernel formats (on the CPU, linear weights into oneDNN handles, leaving
-        # empty parameters), which would hide them from a hash of the finished model.
-        loader = get_model_loader(self.vllm_config.load_config)
-        load_weights = loader.load_weights
-
-        def load_and_hash(model, model_config):
-            load_weights(model, model_config)
-            self._weights_digest = _weights_digest(model)
-
-        loader.load_weights = load_and_hash
-        with set_current_vllm_config(self.vllm_config), _process_group_of_one():
-            self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.vllm_config.model_config)
+        self.model, self._weights_digest = load_encoder_only(self.vllm_config)
         # A small sample of each modality warms the tower up and tells the width of its
         # features, which vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's
         # carry DeepStack taps); vLLM must take them back as embeddings.
@@ -348,31 +327,3 @@ class VisionModel:
         if placeholder.get_num_embeds() != values.shape[0]:
             return f"{values.shape[0]} feature rows for a placeholder of {placeholder.get_num_embeds()} tokens"
         return None
-
-
-def _weights_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer, byte by byte, with its name and dtype."""
-    parts = []
-    for name, tensor in sorted(model.state_dict().items()):
-        parts += [name.encode(), str(tensor.dtype).encode(),
-                  content_hash(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).encode()]
-    return content_hash(b"\0".join(parts))
-
-
-@contextlib.contextmanager
-def _process_group_of_one():
-    """vLLM's layers ask for their tensor-parallel group while they are built: a group of one.
-    It goes again once the model is built (a one-process model never uses it), since gloo's
-    39 threads would otherwise wake the replica ~1.5% of a core, idle, for good."""
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  ensure_model_parallel_initialized, init_distributed_environment)
-
-    with _DISTRIBUTED_LOCK, tempfile.TemporaryDirectory(prefix="iris-vllm-dist-") as rendezvous:
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{rendezvous}/store", backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-        try:
-            yield
-        finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
