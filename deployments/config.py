@@ -24,7 +24,7 @@ class IrisConfig(BaseModel):
 
     model: str = Field(
         "builtin:tiny-llava",
-        description="builtin:<size>-<family> (README: Model families), a local checkpoint folder of any "
+        description="builtin:<size>-<family> (docs/families.md), a local checkpoint folder of any "
         "family served, or a hub id.",
     )
     served_model_name: str | None = Field(

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Runs the commands of README "Operating Iris" against a real `serve run` and saves
+# Runs the commands of docs/operations.md against a real `serve run` and saves
 # what they print in bench/results/operations.txt (each command, its output, its exit code).
 #
 #   bash scripts/operations_check.sh          # ≈3 min on 2 cores, ≈6 GB of memory
 #
-# Two departures from the README, both to share a machine: the app listens on a free
+# Two departures from docs/operations.md, both to share a machine: the app listens on a free
 # port instead of 8000 (a copy of serve_config.yaml), and its Redis is a private
 # password-protected redis-server (the cluster setup: password in IRIS_REDIS_PASSWORD).
 # The Ray cluster is the one `serve run` starts; it ends when `serve run` gets SIGTERM.
@@ -54,7 +54,7 @@ yaml.safe_dump(config, open(path, "w"), sort_keys=False)
 EOF
 
 {
-  echo "# Operating Iris: README commands run by scripts/operations_check.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# Operating Iris: docs/operations.md commands run by scripts/operations_check.sh on $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "# serve_config.yaml copied to \$CONFIG with http port $HTTP_PORT and redis_url on a password-protected redis-server"
   echo
 } >"$OUT"
