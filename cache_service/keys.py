@@ -56,7 +56,7 @@ _FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,%d}" % MAX_FINGERPRINT_CHARS)
 def content_hash(data: bytes) -> str:
     """Hex digest of the raw bytes (blake3, or sha256 without the blake3 package)."""
     if _blake3 is not None:
-        # Single-threaded: ~7 GB/s here, far more than image uploads need.
+        # Single-threaded: gigabytes a second, far more than image uploads need.
         return _blake3(data).hexdigest()
     return hashlib.sha256(data).hexdigest()
 
