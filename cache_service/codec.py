@@ -1,21 +1,19 @@
 """Features and their byte form in Redis.
 
-A value is a 16-byte header followed by an Arrow IPC stream:
+A value is a 16-byte header followed by the tensors in the safetensors format:
 
-    offset 0   4 bytes  magic b"IRF1"
+    offset 0   4 bytes  magic b"IRF2"
     offset 4   uint32   checksum algorithm, little-endian (1 = xxh3_64)
     offset 8   uint64   checksum of everything after the header, little-endian
-    offset 16  Arrow IPC stream: one record batch of one row, one large_binary
-               column per tensor (field name = tensor name, field metadata
-               "dtype" and "shape"), schema metadata "iris.meta" = meta as JSON.
+    offset 16  safetensors: uint64 header length, JSON header (per tensor its dtype,
+               shape and byte range; "__metadata__": {"iris.meta": meta as JSON}),
+               then the tensors' bytes.
 
 Why this shape:
-- One column per tensor lets Arrow write each tensor's memory straight from
-  the torch storage (no concatenation), and on decode lets `torch.frombuffer`
-  point into the received value (no copy). bf16 needs no numpy detour: bytes
-  are bytes, the dtype is in the field metadata.
-- The 16-byte header keeps Arrow's 8-byte buffer alignment relative to the
-  start of the value, so decoded tensors are aligned for any dtype.
+- safetensors is the checkpoints' own format: any tool reads a value
+  (`safetensors.torch.load(value[16:])`), bf16 included, and its data starts
+  8-byte aligned, so `torch.frombuffer` points into the received value (no copy).
+- The 16-byte header keeps that alignment relative to the start of the value.
 - xxh3_64, several times faster than blake3: the checksum guards against
   truncated or garbled values, not against an attacker who can write to Redis.
 
@@ -34,14 +32,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
+import safetensors.torch
 import torch
 import xxhash
 
-MAGIC = b"IRF1"
+MAGIC = b"IRF2"  # IRF1: the Arrow IPC layout before it (read as corrupt: deleted, recomputed)
 CHECKSUM_XXH3_64 = 1
 HEADER = struct.Struct("<4sIQ")
-_META_KEY = b"iris.meta"
+_META_KEY = "iris.meta"
 
 # Stored by name so a value does not depend on torch's enum numbering.
 DTYPES: dict[str, torch.dtype] = {
@@ -57,6 +55,10 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# safetensors' dtype names.
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                       "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                       "I64": torch.int64, "BOOL": torch.bool}
 
 
 class CorruptValue(ValueError):
@@ -105,32 +107,12 @@ class Features:
 
 
 def encode(features: Features) -> bytearray:
-    """Serialise to header + Arrow IPC stream; one copy of the tensor bytes."""
-    columns, fields = [], []
-    for name, tensor in features.tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        raw = pa.py_buffer(tensor.reshape(-1).view(torch.uint8).numpy())
-        offsets = pa.py_buffer(struct.pack("<qq", 0, raw.size))
-        columns.append(pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, raw]))
-        fields.append(
-            pa.field(
-                name,
-                pa.large_binary(),
-                nullable=False,
-                metadata={"dtype": _DTYPE_NAMES[tensor.dtype], "shape": json.dumps(list(tensor.shape))},
-            )
-        )
+    """Serialise to header + safetensors."""
+    tensors = {name: t.detach().cpu().contiguous() for name, t in features.tensors.items()}
     meta = json.dumps(features.meta, separators=(",", ":"), allow_nan=False)
-    schema = pa.schema(fields, metadata={_META_KEY: meta})
-    batch = pa.RecordBatch.from_arrays(columns, schema=schema)
-
-    # Measure first, then write once into a buffer that already has room for
-    # the header: no second copy to prepend it.
-    counter = pa.MockOutputStream()
-    _write_stream(counter, batch)
-    out = bytearray(HEADER.size + counter.size())
-    payload = memoryview(out)[HEADER.size :]
-    _write_stream(pa.FixedSizeBufferWriter(pa.py_buffer(payload)), batch)
+    payload = safetensors.torch.save(tensors, metadata={_META_KEY: meta})
+    out = bytearray(HEADER.size + len(payload))
+    out[HEADER.size:] = payload
     HEADER.pack_into(out, 0, MAGIC, CHECKSUM_XXH3_64, xxhash.xxh3_64_intdigest(payload))
     return out
 
@@ -146,60 +128,46 @@ def decode(data: bytes | bytearray | memoryview, *, copy: bool = False) -> Featu
     magic, algorithm, checksum = HEADER.unpack_from(view)
     if magic != MAGIC or algorithm != CHECKSUM_XXH3_64:
         raise CorruptValue("unknown value format")
-    payload = view[HEADER.size :]
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
+    if xxhash.xxh3_64_intdigest(view[HEADER.size:]) != checksum:
         raise CorruptValue("checksum mismatch (truncated or garbled value)")
     try:
-        return _decode_payload(view, payload, copy)
+        return _decode_payload(view, copy)
     except CorruptValue:
         raise
-    except (pa.ArrowException, ValueError, TypeError, KeyError, RuntimeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, struct.error) as exc:
         # The checksum matched, so this is a value of another writer or a bug;
         # either way it must not reach a model.
         raise CorruptValue(f"undecodable value: {exc}") from exc
 
 
-def _write_stream(sink: Any, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-
-
-def _decode_payload(view: memoryview, payload: memoryview, copy: bool) -> Features:
-    arrow_payload = pa.py_buffer(payload)
-    batch = pa.ipc.open_stream(arrow_payload).read_next_batch()
-    meta_json = (batch.schema.metadata or {}).get(_META_KEY)
+def _decode_payload(view: memoryview, copy: bool) -> Features:
+    (header_len,) = struct.unpack_from("<Q", view, HEADER.size)
+    data_start = HEADER.size + 8 + header_len
+    if data_start > len(view):
+        raise CorruptValue("safetensors header longer than the value")
+    header = json.loads(bytes(view[HEADER.size + 8:data_start]))
+    meta_json = (header.pop("__metadata__", None) or {}).get(_META_KEY)
     if meta_json is None:
         raise CorruptValue("missing metadata")
-    meta = json.loads(meta_json)
-    # Offsets of the tensors are taken relative to the value's own memory, so
-    # torch.frombuffer wraps `view` itself and inherits its writability
-    # (Arrow's slices of it would always be read-only).
-    base_address = arrow_payload.address - HEADER.size
     tensors = {}
-    for field_, column in zip(batch.schema, batch.columns):
-        field_meta = field_.metadata or {}
-        dtype = DTYPES[field_meta[b"dtype"].decode()]
-        shape = json.loads(field_meta[b"shape"])
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = info["shape"]
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CorruptValue(f"bad shape {shape!r}")
         numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        if column.type != pa.large_binary() or len(column) != 1:
-            raise CorruptValue(f"tensor {field_.name!r}: unexpected column layout")
-        _, offsets, data = column.buffers()
-        start, end = struct.unpack_from("<qq", offsets, 8 * column.offset)
-        if end - start != nbytes or end > data.size:
-            raise CorruptValue(f"tensor {field_.name!r}: {end - start} bytes for shape {shape}")
+        start, end = info["data_offsets"]
+        if end - start != numel * dtype.itemsize or start < 0 or data_start + end > len(view):
+            raise CorruptValue(f"tensor {name!r}: bytes {start}..{end} for shape {shape}")
         if numel == 0:
             tensor = torch.empty(shape, dtype=dtype)
         else:
-            offset = data.address + start - base_address
             with warnings.catch_warnings():
                 # A `bytes` value gives a read-only buffer; torch warns once per
                 # call. Read-only use is the documented contract.
                 warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape)
+                tensor = torch.frombuffer(view, dtype=dtype, count=numel, offset=data_start + start).view(shape)
             if copy:
                 tensor = tensor.clone()
-        tensors[field_.name] = tensor
-    return Features(tensors, meta)
+        tensors[name] = tensor
+    return Features(tensors, json.loads(meta_json))

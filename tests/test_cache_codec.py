@@ -1,5 +1,8 @@
 """Byte form of Features: exact round trips and detection of corrupt values."""
 
+import json
+import tempfile
+
 import pytest
 import torch
 from tests.cache_fixtures import assert_same_features, make_features
@@ -34,10 +37,28 @@ def test_round_trip_is_exact(container):
     assert_same_features(features, decode(value))
 
 
+def test_value_is_safetensors_after_the_header():
+    """Any safetensors reader takes a value's payload: the same tensors, and Iris's meta."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    features = all_dtypes_features()
+    value = bytes(encode(features))
+    loaded = load(value[HEADER.size:])
+    assert loaded.keys() == features.tensors.keys()
+    for name, tensor in features.tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor.contiguous()), name
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(value[HEADER.size:])
+        f.flush()
+        with safe_open(f.name, "pt") as st:
+            assert json.loads(st.metadata()["iris.meta"]) == features.meta
+
+
 def test_nbytes_counts_tensor_bytes():
     f = make_features(tokens=16, hidden=32)
     assert f.nbytes == 16 * 32 * 2 + 3 * 8
-    assert len(encode(f)) > f.nbytes  # header + Arrow metadata on top
+    assert len(encode(f)) > f.nbytes  # header + safetensors' header on top
 
 
 def test_decode_points_into_the_value_unless_copy():
