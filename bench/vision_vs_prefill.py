@@ -10,7 +10,7 @@ built-in checkpoints (ViT-B/16-sized vision towers, small language model):
 
     python -m bench vision-vs-prefill [--repeats 10]
 
-Prints a table and writes bench/results/vision_vs_prefill.json.
+Prints a table and writes bench/results/vision_vs_prefill.json (or --out).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from pathlib import Path
 
 from bench.harness import results
 from bench.harness.stats import percentile, timed
@@ -75,7 +76,6 @@ def bench_family(family: str, repeats: int) -> dict:
     result["vllm_pixels_warm_ms"] = _median_ms(lambda: pixels_request(same), repeats)
     result["prompt_tokens"] = len(llm.generate(embeds, params, use_tqdm=False)[0].prompt_token_ids)
     result["vision_over_prefill"] = result["vision_ms"] / result["prefill_ms"]
-    del llm
     return result
 
 
@@ -83,6 +83,7 @@ def main(argv: list[str]) -> None:
     parser = results.parser("vision-vs-prefill", __doc__)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--families", nargs="+", default=["llava", "qwen2_vl", "qwen2_5_vl"])
+    parser.add_argument("--out", type=Path, default=results.RESULTS_DIR / "vision_vs_prefill.json")
     args = parser.parse_args(argv)
     record = results.provenance(results.command_line("vision-vs-prefill", argv))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -93,8 +94,7 @@ def main(argv: list[str]) -> None:
         print(f"{family:10} {r['visual_tokens']:>6} {r['preprocess_ms']:>10.1f} "
               f"{r['vision_ms']:>9.1f} {r['prefill_ms']:>10.1f} {r['vllm_pixels_cold_ms']:>12.1f} "
               f"{r['vllm_pixels_warm_ms']:>12.1f} {r['vision_over_prefill']:>14.1f}")
-    out = results.save({**record, "repeats": args.repeats, "results": by_family},
-                       results.RESULTS_DIR / "vision_vs_prefill.json")
+    out = results.save({**record, "repeats": args.repeats, "results": by_family}, args.out)
     print(f"saved {out}")
 
 

@@ -369,7 +369,7 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "cache": ["--iters", "--redis-url", "--out"],
                "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
                "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
-               "vision-vs-prefill": ["--repeats", "--families"]}[name]
+               "vision-vs-prefill": ["--repeats", "--families", "--out"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 

@@ -182,7 +182,6 @@ class LoadClient:
                                      connector=aiohttp.TCPConnector(limit=max(1, connections)))
 
 
-
 def warm_up(client: LoadClient, factory: WorkloadFactory) -> dict:
     """Two sequential requests, then four at once: first-request costs stay out of the figures,
     and a system that fails a cold concurrent burst shows it here."""
