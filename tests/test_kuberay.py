@@ -115,8 +115,9 @@ def test_broken_manifests_fail(validator, break_it, expected):
 # https://github.com/ray-project/kuberay/issues/1685": the code that read them went in the
 # health-check series kuberay#1657 (#1656 stopped restarting clusters on Serve health, #1665
 # removed ServiceUnhealthySecondThreshold; KubeRay v1.1.0 left health to K8s probes and the
-# RayCluster controller) and #1688 marked both fields deprecated. Still so at the vendored commit
-# (v1.7.0-rc.0+5). The vendored CRD carries no descriptions (the helm chart's CRDs are
+# RayCluster controller) and #1688 marked both fields deprecated. The same comments stand in the
+# newest rayservice_types.go consulted (one with upgradeStrategy and rayClusterDeletionDelaySeconds,
+# as in the vendored v1.7.0-rc CRD). The vendored CRD carries no descriptions (the helm chart's CRDs are
 # generated without them), so the list is kept here, by hand, with that provenance; when the
 # CRD is updated, test_ignored_fields_are_still_in_the_vendored_crd says whether it still
 # accepts them.
