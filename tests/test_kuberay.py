@@ -769,5 +769,5 @@ def test_this_environment_is_the_lock():
         pytest.skip("no vLLM installed: not an environment from scripts/install.sh")
     lock = _lock(name)
     differ = {k: (installed[k], v) for k, (v, _) in lock.items() if k in installed and installed[k] != v}
-    assert differ == {}
+    assert differ == {}, f"installed vs {name} (rerun bash scripts/install.sh): {differ}"
     assert {"torch", "ray", "transformers", "httpx"} <= set(installed) & set(lock)
