@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="output name under --out-dir (default: compare or compare_quick)")
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--eager", action="store_true", help="engines without torch.compile: quicker to start, "
+                        "slower to decode (smoke tests; not for figures)")
     parser.add_argument("--profile", metavar="TAG", help=f"py-spy every serving process during {PROFILED_POINTS}; "
                         "summaries in --out-dir as profile_TAG_*.txt (sampling costs CPU: not for reported runs)")
     return parser.parse_args(argv)
@@ -172,7 +174,7 @@ def run_comparison(args, command: str) -> dict:
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)
     videos = any(p.workload.startswith("video_") for p in plan)
-    engine = systems.EngineSettings(checkpoint, dtype, max_videos=1 if videos else 0)
+    engine = systems.EngineSettings(checkpoint, dtype, max_videos=1 if videos else 0, eager=args.eager)
     factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
     image_chars = image_prompt_chars(checkpoint, args.small_px)
     out_dir = Path(args.out_dir)

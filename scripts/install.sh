@@ -58,7 +58,7 @@ fi
 #    and without a build environment (setuptools is in the lock).
 "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --no-build-isolation -e .
 
-"$VENV/bin/python" -c "import vllm, ray, redis, pyarrow, transformers, torchvision" \
+"$VENV/bin/python" -c "import vllm, ray, redis, transformers, torchvision" \
   || { echo "iris: install finished but imports fail" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "iris: environment ready ($VENV)"

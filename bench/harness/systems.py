@@ -54,6 +54,7 @@ class EngineSettings:
     max_images: int = 4
     max_videos: int = 0  # videos per prompt, for checkpoints that take video
     vllm_args: tuple[str, ...] = ()  # extra `vllm serve` arguments (the vllm system only)
+    eager: bool = False  # every engine without torch.compile: quick starts for smoke tests, slower decoding
 
 
     def mm_limits(self) -> dict[str, int]:
@@ -142,7 +143,8 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
     args.update(model=engine.checkpoint, served_model_name=SERVED_NAME, max_images_per_prompt=engine.max_images,
                 max_videos_per_prompt=engine.max_videos,
                 dtype=engine.dtype)
-    args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len}
+    args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len,
+                           **({"enforce_eager": True} if engine.eager else {})}
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
@@ -170,7 +172,8 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
         # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
         "placement_group_config": {"bundles": [{"CPU": 1}]},
         "engine_kwargs": {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
-                          "enable_prefix_caching": True, "limit_mm_per_prompt": engine.mm_limits()},
+                          "enable_prefix_caching": True, "limit_mm_per_prompt": engine.mm_limits(),
+                          **({"enforce_eager": True} if engine.eager else {})},
         "deployment_config": deployment_config,
     }
     return {
@@ -268,7 +271,7 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
                "--enable-prefix-caching", "--limit-mm-per-prompt", json.dumps(engine.mm_limits()),
-               *engine.vllm_args]
+               *(["--enforce-eager"] if engine.eager else []), *engine.vllm_args]
         procs.append(_spawn(cmd, log, vllm_cpu_binding(i, replicas)))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
