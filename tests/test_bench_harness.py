@@ -101,7 +101,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
 
     args = compare.parse_args(["--model", "builtin:tiny-llava", "--systems", "iris", "--replicas", "1",
                                "--points", "unique-c1,repeat-c1,zipf-c4,upload_free-c4,random_mm-c4",
-                               "--scale", "0.25", "--out-dir", str(tmp_path), "--name", "smoke"])
+                               "--scale", "0.25", "--eager", "--out-dir", str(tmp_path), "--name", "smoke"])
     run = compare.run_comparison(args, "pytest smoke")
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert saved["commit"] and saved["command"] == "pytest smoke"
