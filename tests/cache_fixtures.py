@@ -13,7 +13,8 @@ import signal
 import socket
 import subprocess
 import time
-import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -22,8 +23,8 @@ import torch
 from cache_service.codec import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace  # noqa: F401  (SHARED_REDIS_URL: re-exported)
 
-SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 FINGERPRINT = "0123abcd"
 
 
@@ -51,13 +52,9 @@ def assert_same_features(a: Features, b: Features) -> None:
 @pytest.fixture
 def namespace():
     """A namespace private to this test; its keys are deleted afterwards."""
-    ns = f"iristest-{uuid.uuid4().hex[:12]}"
+    ns = new_namespace("iristest")
     yield ns
-    client = redis.Redis.from_url(SHARED_REDIS_URL)
-    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_namespace(ns)
 
 
 @pytest.fixture
@@ -124,13 +121,22 @@ class RedisProcess:
             self.proc = None
 
 
+@contextmanager
+def private_redis(*extra_args: str) -> Iterator[RedisProcess]:
+    """A redis-server of its own on a free port (`extra_args` added to its command line), killed on exit."""
+    server = RedisProcess(free_port(), *extra_args)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+        server.kill()
+
+
 @pytest.fixture
 def redis_process():
     if shutil.which("redis-server") is None and not os.path.exists("/usr/bin/redis-server"):
         pytest.skip("redis-server binary not available")
-    server = RedisProcess(free_port())
-    server.start()
-    yield server
-    if server.proc is not None:
-        server.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
-    server.kill()
+    with private_redis() as server:
+        yield server

@@ -1,5 +1,5 @@
-"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run) and
-one Ray cluster with Serve for the app tests."""
+"""Session-wide fixtures: built-in tiny checkpoints (built fresh each run), one Ray
+cluster with Serve for the app tests and the pool of Iris apps on it."""
 
 from __future__ import annotations
 
@@ -87,3 +87,14 @@ def serve_instance():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def iris_apps(serve_instance):
+    """The session's AppPool (tests/support/apps.py): a module asks it for an Iris app with
+    `iris_apps.use(name, args)`, and gets the running one where another module kept the same."""
+    from tests.support.apps import AppPool
+
+    pool = AppPool(serve_instance)
+    yield pool
+    pool.finish()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 
 import httpx
 import pytest
-from ray import serve
 
+from tests.support.apps import beside, reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.sse import sse_chunks
 
 NAME = "bench"  # the served model name of both systems (no ':' for the peer)
 LOGPROB_TOL = 1e-4
@@ -29,27 +29,23 @@ def checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def vllm_base(vllm_server):
-    return vllm_server("llava", "float32")[0]
+def systems(iris_apps, checkpoint, vllm_server):
+    """(Iris base URL, vLLM base URL), started at once. The Iris app is kept running for
+    tests/test_families.py, which compares the same app (its llava-float32 case) with vLLM."""
+    with beside(lambda: vllm_server("llava", "float32"),
+                iris_apps.use("iris-parity", reference_args(checkpoint, "float32", NAME), route_prefix="/parity",
+                              keep=True)) as (app, (vllm, _)):
+        yield app.url, vllm
 
 
 @pytest.fixture(scope="module")
-def iris_base(serve_instance, checkpoint, vllm_base):  # after vLLM: one engine starting at a time
-    from deployments.app import build_app
+def vllm_base(systems):
+    return systems[1]
 
-    namespace = f"iris-parity-{uuid.uuid4().hex[:12]}"
-    serve.run(build_app({"model": checkpoint, "served_model_name": NAME, "max_images_per_prompt": 2,
-                         "dtype": "float32", "engine_args": {"max_model_len": 2048, "enforce_eager": True},
-                         "cache": {"namespace": namespace, "ttl_s": 600}}),
-              name="iris-parity", route_prefix="/parity")
-    yield f"{serve_instance}/parity"
-    serve.delete("iris-parity")
-    import redis
 
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
+@pytest.fixture(scope="module")
+def iris_base(systems):
+    return systems[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,22 +132,31 @@ def corpus(tok) -> list[tuple[str, str, dict]]:
 # --------------------------------------------------------------------------- answers
 
 
+def post(base: str, path: str, body: dict) -> tuple[int, dict | list[dict] | str]:
+    """(status, answer): the JSON body; a stream's JSON chunks (none an error); or the first 400
+    characters of a refusal."""
+    r = httpx.post(f"{base}{path}", json=body, timeout=300)
+    if r.status_code != 200:
+        return r.status_code, r.text[:400]
+    if not body.get("stream"):
+        return 200, r.json()
+    chunks = sse_chunks(r.text.splitlines())
+    for j in chunks:
+        assert "error" not in j, j
+    return 200, chunks
+
+
 def ask(base: str, body: dict) -> tuple[int, dict]:
     """(status, normalised answer): choices by index with text, finish_reason and logprobs; usage."""
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
-    if r.status_code != 200:
-        return r.status_code, {"error": r.text[:400]}
+    status, answer = post(base, "/v1/chat/completions", body)
+    if status != 200:
+        return status, {"error": answer}
     if not body.get("stream"):
-        j = r.json()
         return 200, {"choices": {c["index"]: {"text": c["message"]["content"], "finish": c["finish_reason"],
                                               "logprobs": (c.get("logprobs") or {}).get("content")}
-                                 for c in j["choices"]}, "usage": j["usage"]}
+                                 for c in answer["choices"]}, "usage": answer["usage"]}
     choices, usage = {}, None
-    for line in r.text.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        j = json.loads(line[6:])
-        assert "error" not in j, j
+    for j in answer:
         usage = j.get("usage") or usage
         for c in j["choices"]:
             ch = choices.setdefault(c["index"], {"text": "", "finish": None, "logprobs": None})
@@ -294,24 +299,20 @@ def test_models_lists_vllm_fields(iris_base, vllm_base):
 
 def ask_text(base: str, body: dict) -> tuple[int, dict]:
     """(status, normalised answer): per choice index (text, finish_reason, logprobs); usage."""
-    r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
-    if r.status_code != 200:
-        return r.status_code, {"error": r.text[:400]}
+    status, answer = post(base, "/v1/completions", body)
+    if status != 200:
+        return status, {"error": answer}
     if not body.get("stream"):
-        j = r.json()
-        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"], c["logprobs"]) for c in j["choices"]},
-                     "usage": {k: j["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
+        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"], c["logprobs"]) for c in answer["choices"]},
+                     "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
     choices, usage = {}, None
-    for line in r.text.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            j = json.loads(line[6:])
-            assert "error" not in j, j
-            usage = j.get("usage") or usage
-            for c in j["choices"]:
-                text, finish, logprobs = choices.get(c["index"], ("", None, None))
-                if c["logprobs"] is not None:  # deltas' lists, joined
-                    logprobs = {k: (logprobs or {}).get(k, []) + v for k, v in c["logprobs"].items()}
-                choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish, logprobs)
+    for j in answer:
+        usage = j.get("usage") or usage
+        for c in j["choices"]:
+            text, finish, logprobs = choices.get(c["index"], ("", None, None))
+            if c["logprobs"] is not None:  # deltas' lists, joined
+                logprobs = {k: (logprobs or {}).get(k, []) + v for k, v in c["logprobs"].items()}
+            choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish, logprobs)
     return 200, {"choices": choices,
                  "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
 

@@ -5,17 +5,15 @@ import pytest
 
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
-from tests.cache_fixtures import RedisProcess, assert_same_features, free_port, make_features
+from tests.cache_fixtures import assert_same_features, make_features, private_redis
 
 PASSWORD = "s3cret/with:odd@chars%"  # needs URL quoting
 
 
 @pytest.fixture
 def protected_redis():
-    server = RedisProcess(free_port(), "--requirepass", PASSWORD)
-    server.start()
-    yield server
-    server.kill()
+    with private_redis("--requirepass", PASSWORD) as server:
+        yield server
 
 
 async def test_password_from_environment_reaches_both_clients(protected_redis, monkeypatch):

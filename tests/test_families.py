@@ -13,7 +13,6 @@ also writes its encoder's output per image through vLLM's `ECExampleConnector`
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ import torch
 from ray import serve
 
 from pipeline.models.builtin import BUILDERS, SERVED_FAMILIES
+from tests.support.apps import beside, reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.videos import clip_bytes
 
@@ -38,32 +38,14 @@ VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["squa
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
-def systems(request, serve_instance, tiny_checkpoint, vllm_server):
-    """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder)."""
-    from deployments.app import build_app
-    from tests.test_serving import _delete_namespace
-
+def systems(request, iris_apps, tiny_checkpoint, vllm_server):
+    """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder).
+    LLaVA in float32 is the app tests/test_api_parity.py compares, kept running for this module."""
     family, dtype = request.param
-    app = f"iris-fam-{family}-{dtype}"
-    namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
-    # Both start at once: much of a start is single-threaded imports, and there are two cores.
-    with ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(vllm_server, family, dtype)
-        try:
-            serve.run(build_app({"model": tiny_checkpoint(family), "served_model_name": NAME,
-                                 "max_images_per_prompt": 2, "dtype": dtype,
-                                 "engine_args": {"max_model_len": 2048, "enforce_eager": True},
-                                 "cache": {"namespace": namespace, "ttl_s": 600}}),
-                      name=app, route_prefix=f"/{app}")
-            vllm, ec_dir = starting.result()
-        except BaseException:
-            serve.delete(app)
-            raise
-    try:
-        yield family, dtype, f"{serve_instance}/{app}", app, vllm, ec_dir
-    finally:
-        serve.delete(app)
-        _delete_namespace(namespace)
+    with beside(lambda: vllm_server(family, dtype),
+                iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME))
+                ) as (app, (vllm, ec_dir)):
+        yield family, dtype, app.url, app.name, vllm, ec_dir
 
 
 def _chat(base: str, images: list[str], uuids: list[str] | None = None, videos: tuple[str, ...] = (),

@@ -26,7 +26,9 @@ from ray import serve
 from bench.harness.client import LoadClient
 from bench.harness.metrics import parse
 from bench.harness.workloads import ImageSpec, WorkloadFactory
-from tests.cache_fixtures import RedisProcess, free_port
+from tests.cache_fixtures import private_redis
+from tests.support.apps import running_app
+from tests.support.sse import sse_events
 
 APP = "iris-faults"
 MODEL = "tiny-llava"
@@ -37,27 +39,21 @@ FAILURE_CODES = {503: "replica_unavailable", 504: "timeout"}
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisProcess(free_port())
-    server.start()
-    yield server
-    server.kill()
+    with private_redis() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def fault_app(serve_instance, tiny_checkpoint, redis_server):
-    from deployments.app import build_app
-
+def fault_app(iris_apps, tiny_checkpoint, redis_server):
     args = {
         "model": tiny_checkpoint("llava"), "served_model_name": MODEL,
         "request_timeout_s": TIMEOUT_S, "max_tokens_limit": LIMIT,
         "engine_args": {"max_model_len": 4096, "enforce_eager": True},  # no torch.compile: a faster start
         # Reconnect quickly, so recovery is seen within the test's bounds.
-        "cache": {"redis_url": redis_server.url, "namespace": "iris-faults",
-                  "backoff_initial_s": 0.05, "backoff_max_s": 0.5},
+        "cache": {"redis_url": redis_server.url, "backoff_initial_s": 0.05, "backoff_max_s": 0.5},
     }
-    serve.run(build_app(args), name=APP, route_prefix="/faults")
-    yield f"{serve_instance}/faults"
-    serve.delete(APP)
+    with iris_apps.use(APP, args, route_prefix="/faults") as app:
+        yield app.url
 
 
 # --------------------------------------------------------------------------- helpers
@@ -72,7 +68,7 @@ def _run(coro):
 
 
 def _stats(deployment: str) -> dict:
-    return serve.get_deployment_handle(deployment, app_name=APP).stats.remote().result(timeout_s=30)
+    return running_app(APP).stats(deployment, timeout_s=30)
 
 
 def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
@@ -109,10 +105,6 @@ def _big_images(seed: int, n: int = 4) -> list[str]:
 def _assert_openai_error(error: dict, status: int) -> None:
     assert set(error) >= {"message", "type", "param", "code"}, error
     assert error["code"] == FAILURE_CODES[status] and error["type"] == "server_error", error
-
-
-def _sse_events(lines) -> list:
-    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
 
 class _RawRequest:
@@ -209,7 +201,7 @@ def test_streamed_timeout_ends_the_stream_in_band(fault_app):
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=_long_body(stream=True),
                       timeout=TIMEOUT_S + 30) as r:
         assert r.status_code == 200
-        events = _sse_events(r.iter_lines())
+        events = sse_events(r.iter_lines())
     elapsed = time.monotonic() - started
     assert events[-1] == "[DONE]" and TIMEOUT_S - 0.5 <= elapsed <= TIMEOUT_S + 5, (events[-3:], elapsed)
     _assert_openai_error(json.loads(events[-2])["error"], 504)

@@ -12,9 +12,7 @@ import asyncio
 import io
 import ipaddress
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -24,6 +22,7 @@ from pydantic import ValidationError
 from pipeline.address_policy import FetchPolicy, is_public
 from pipeline.errors import IrisError
 from pipeline.media import MediaLimits, fetch_client, load_media_bytes
+from tests.support.http_server import QuietHandler, http_server
 
 
 def _png() -> bytes:
@@ -88,20 +87,7 @@ def test_media_limits_validate_and_normalize_allow_lists():
 
 # --------------------------------------------------------------------------- real servers on loopback
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status, body=b"", headers=(), reason=None):
-        self.send_response(status, reason)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
+class _Handler(QuietHandler):
     def do_GET(self):
         self.server.hits.append((self.path, self.headers.get("Host")))
         if self.path == "/ok.png":
@@ -116,22 +102,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, b"SECRET-BODY")
 
 
-def _start(host: str):
-    httpd = ThreadingHTTPServer((host, 0), _Handler)
-    httpd.daemon_threads = True
-    httpd.hits = []
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd
-
-
 @pytest.fixture(scope="module")
 def servers():
     """Two servers: one on 127.0.0.1 (the one tests allow) and one on 127.0.0.2 (never allowed)."""
-    a, b = _start("127.0.0.1"), _start("127.0.0.2")
-    yield a, b
-    for s in (a, b):
-        s.shutdown()
-        s.server_close()
+    with http_server(_Handler, "127.0.0.1") as a, http_server(_Handler, "127.0.0.2") as b:
+        a.hits, b.hits = [], []
+        yield a, b
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import os
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image, ImageFile
 
 from pipeline.errors import IrisError
 from pipeline.media import MediaLimits, decode_image, fetch_client, load_media_bytes, to_rgb
+from tests.support.http_server import QuietHandler, http_server
 
 LIMITS = MediaLimits()
 
@@ -300,20 +300,8 @@ def test_to_rgb_keeps_rgb_object():
 # --------------------------------------------------------------------------- http(s)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(QuietHandler):
     big_sent = {"bytes": 0, "done": threading.Event()}
-
-    def log_message(self, *args):  # keep test output clean
-        pass
-
-    def _send(self, status, body=b"", headers=()):
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):
         path = self.path
@@ -371,13 +359,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(_Handler) as httpd:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
 # The test server is on loopback, which the SSRF guard refuses unless allowed

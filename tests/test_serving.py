@@ -7,13 +7,16 @@ import io
 import uuid
 
 import httpx
-import numpy as np
 import pytest
 from PIL import Image
 from ray import serve
 
+from tests.support.apps import running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.images import image_part as _image_part, unique_png as _unique_png
+from tests.support.sse import sse_events
 from tests.support.videos import clip_bytes
+from tests.support.videos import unique_clip as _unique_clip, video_part as _video_part
 
 # One family of each embedding form (one tensor per image; Qwen's embeddings + patch grid);
 # every served family against `vllm serve` is tests/test_families.py.
@@ -21,69 +24,34 @@ FAMILIES = ["llava", "qwen2_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def app(request, serve_instance, tiny_checkpoint):
+def app(request, iris_apps, tiny_checkpoint):
     """(family, base URL, app name); the previous family's app is deleted first."""
-    from deployments.app import build_app
-
     family = request.param
-    name = f"iris-{family}"
-    namespace = f"iris-test-{uuid.uuid4().hex[:12]}"
     args = {
         "model": tiny_checkpoint(family),
         "served_model_name": f"tiny-{family}",
         "max_images_per_prompt": 2,
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
-        "cache": {"namespace": namespace, "ttl_s": 3600},
+        "cache": {"ttl_s": 3600},
         # Videos: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
         "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
                   "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
         "tenant_header": "X-Iris-Tenant",  # the tests play the trusted gateway
     }
-    _NAMESPACES[name] = namespace
-    application = build_app(args)
-    serve.run(application, name=name, route_prefix=f"/{family}")
-    yield family, f"{serve_instance}/{family}", name
-    serve.delete(name)
-    _delete_namespace(namespace)
-
-
-_NAMESPACES: dict[str, str] = {}  # app name -> its cache namespace
+    with iris_apps.use(f"iris-{family}", args, route_prefix=f"/{family}") as running:
+        yield family, running.url, running.name
 
 
 def _namespace_of(app_name: str) -> str:
-    return _NAMESPACES[app_name]
-
-
-def _delete_namespace(namespace: str) -> None:
-    """Remove this run's keys from the shared Redis (never FLUSHDB)."""
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
+    return running_app(app_name).namespace
 
 
 def _stats(app_name: str, deployment: str) -> dict:
-    return serve.get_deployment_handle(deployment, app_name=app_name).stats.remote().result()
+    return running_app(app_name).stats(deployment)
 
 
 def _work_counts(app_name: str) -> tuple[int, int]:
     return (_stats(app_name, "Preprocess")["images_preprocessed"], _stats(app_name, "VisionEncoder")["images_encoded"])
-
-
-def _unique_png(seed: int | None = None, size=(64, 48)) -> bytes:
-    rng = np.random.default_rng(seed if seed is not None else uuid.uuid4().int % 2**32)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _image_part(url: str | None, uid: str | None = None) -> dict:
-    part = {"type": "image_url", "image_url": {"url": url} if url else None}
-    if uid is not None:
-        part["uuid"] = uid
-    return part
 
 
 def _chat(base: str, parts: list[dict], *, tenant: str | None = None, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -265,8 +233,8 @@ def test_raw_sse_ends_with_done(app):
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
     assert len(events) >= 3
 
 
@@ -420,17 +388,6 @@ def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
 # --- video (tiny Qwen2-VL; LLaVA-1.5 takes none) ---------------------------------------------
 
 video_app = pytest.mark.parametrize("app", ["qwen2_vl"], indirect=True)
-
-
-def _video_part(url: str | None, uid: str | None = None) -> dict:
-    part = {"type": "video_url", "video_url": {"url": url} if url else None}
-    if uid is not None:
-        part["uuid"] = uid
-    return part
-
-
-def _unique_clip(**override) -> bytes:
-    return clip_bytes(seed=uuid.uuid4().int % 2**32, **override)
 
 
 @pytest.mark.parametrize("app", ["llava"], indirect=True)

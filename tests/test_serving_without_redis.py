@@ -9,29 +9,22 @@ from ray import serve
 
 from bench.harness.systems import SERVED_NAME
 from tests.cache_fixtures import free_port
-from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.images import REFERENCE_TEXT, data_url, image_part, png_bytes
 
 
 @pytest.fixture(scope="module")
-def app_without_redis(serve_instance, tiny_checkpoint):
-    from deployments.app import build_app
-
-    dead_port = free_port()  # nobody listens there
+def app_without_redis(iris_apps, tiny_checkpoint):
     args = {
         "model": tiny_checkpoint("llava"),
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
-        "cache": {"redis_url": f"redis://127.0.0.1:{dead_port}/0", "namespace": "iris-test-noredis"},
+        "cache": {"redis_url": f"redis://127.0.0.1:{free_port()}/0"},  # nobody listens there
     }
-    serve.run(build_app(args), name="iris-noredis", route_prefix="/noredis")
-    yield f"{serve_instance}/noredis", "iris-noredis"
-    serve.delete("iris-noredis")
+    with iris_apps.use("iris-noredis", args, route_prefix="/noredis") as app:
+        yield app.url, app.name
 
 
 def _ask(base: str, url: str | None, uid: str | None = None, **extra) -> httpx.Response:
-    part = {"type": "image_url", "image_url": {"url": url} if url else None}
-    if uid:
-        part["uuid"] = uid
-    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+    body = {"messages": [{"role": "user", "content": [image_part(url, uid), {"type": "text", "text": REFERENCE_TEXT}]}],
             "max_tokens": 16, "temperature": 0, **extra}
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
 

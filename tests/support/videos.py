@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ import numpy as np
 CLIPS = {"clip": (8, 96, 80, 4.0, 1), "other": (8, 96, 80, 4.0, 2), "long": (12, 64, 112, 6.0, 3)}
 
 
+@functools.lru_cache(maxsize=8)  # the named clips, encoded once a session (bytes: nothing can change them)
 def clip_bytes(name: str = "clip", smooth: bool = False, **override) -> bytes:
     """`smooth`: a moving gradient instead of noise (few bytes per frame, however large)."""
     import cv2
@@ -31,3 +34,16 @@ def clip_bytes(name: str = "clip", smooth: bool = False, **override) -> bytes:
             writer.write(np.roll(base, 4 * i, axis=1))
         writer.release()
         return path.read_bytes()
+
+
+def unique_clip(**override) -> bytes:
+    """clip_bytes("clip") with a new seed each call (new bytes), `override` as there."""
+    return clip_bytes(seed=uuid.uuid4().int % 2**32, **override)
+
+
+def video_part(url: str | None, uid: str | None = None) -> dict:
+    """A chat message's video part: by URL, by uuid (`url` None: upload-free), or both."""
+    part = {"type": "video_url", "video_url": {"url": url} if url else None}
+    if uid is not None:
+        part["uuid"] = uid
+    return part
