@@ -66,6 +66,7 @@ class LLMDecode:
         self.max_model_len = self.engine.model_config.max_model_len
         # The checkpoint's generation_config defaults, as `vllm serve` applies them.
         self.default_sampling_params = self.engine.model_config.get_diff_sampling_param()
+        self.system_fingerprint = _system_fingerprint(self.engine.vllm_config)
         self.stream_interval_s = config.stream_interval_s
         self.max_tokens_limit = config.max_tokens_limit  # larger requests were refused by the ingress
         # Values read from Redis must carry the fingerprint of their key and look like this
@@ -180,6 +181,7 @@ class LLMDecode:
                                                                                   tokenizer, top_n)
                             if c.finish_reason:
                                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                                ch.system_fingerprint = self.system_fingerprint
                     out = outs[-1]
                     chunks = [choices[i] for i in sorted(choices)] or [DecodeChunk()]
                     if out.finished:
@@ -258,6 +260,16 @@ class LLMDecode:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _system_fingerprint(vllm_config) -> str | None:
+    """What `vllm serve` stamps on its answers as `system_fingerprint`, for this engine."""
+    from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
+
+    try:
+        return get_system_fingerprint(vllm_config)
+    except Exception:  # as vLLM: never fail start-up over it
+        return None
 
 
 def _bind_engine_cores() -> None:

@@ -45,11 +45,11 @@ from pipeline.stage_io import DecodeChunk
 DONE = "data: [DONE]\n\n"
 
 
-def sse(body: OpenAIBaseModel | dict) -> str:
+def sse(body: OpenAIBaseModel | dict, exclude_none: bool = False) -> str:
     """One server-sent event; a model without its unset fields (vLLM's stream chunks)."""
     if isinstance(body, dict):
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-    return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
+    return f"data: {body.model_dump_json(exclude_unset=True, exclude_none=exclude_none)}\n\n"
 
 
 def usage(last: DecodeChunk) -> UsageInfo:
@@ -80,6 +80,7 @@ class Answer:
     """A non-streamed answer gathered from its chunks."""
     choices: dict[int, ChoiceSoFar] = field(default_factory=dict)
     usage: UsageInfo = field(default_factory=UsageInfo)
+    system_fingerprint: str | None = None
 
     @classmethod
     async def gather(cls, chunks: AsyncIterator[DecodeChunk]) -> Answer:
@@ -96,12 +97,14 @@ class Answer:
                 choice.logprobs = extend_completion_logprobs(choice.logprobs, c.logprobs)
             if c.finish_reason:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                answer.system_fingerprint = c.system_fingerprint
             if c.done:
                 answer.usage = usage(c)
         return answer
 
     def chat(self, request_id: str, model: str) -> ChatCompletionResponse:
-        return ChatCompletionResponse(id=request_id, model=model, usage=self.usage, choices=[
+        return ChatCompletionResponse(id=request_id, model=model, usage=self.usage,
+                                      system_fingerprint=self.system_fingerprint, choices=[
             ChatCompletionResponseChoice(
                 index=i, message=ChatMessage(role="assistant", content="".join(c.text)),
                 logprobs=None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs),
@@ -109,7 +112,8 @@ class Answer:
             for i, c in sorted(self.choices.items())])
 
     def text(self, request_id: str, model: str) -> CompletionResponse:
-        return CompletionResponse(id=request_id, model=model, usage=self.usage, choices=[
+        return CompletionResponse(id=request_id, model=model, usage=self.usage,
+                                  system_fingerprint=self.system_fingerprint, choices=[
             CompletionResponseChoice(
                 index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs))
@@ -121,29 +125,36 @@ class Answer:
 async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str, n: int,
                       include_usage: bool) -> AsyncIterator[str]:
     """A chat answer's events, [DONE] aside: the role first, then the deltas, then the usage
-    when asked for. Raises the engine's error should a chunk carry it."""
+    when asked for; the fields vLLM's serving code sets on each. Raises the engine's error
+    should a chunk carry it."""
     created = int(time.time())
 
-    def event(choices: list, **extra) -> str:  # (unset fields are left out: set even the constant ones)
+    def event(choices: list, exclude_none: bool = False, **extra) -> str:  # unset fields are left out
         return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
-                                                model=model, choices=choices, **extra))
+                                                model=model, choices=choices, **extra), exclude_none)
 
     for i in range(n):
         yield event([ChatCompletionResponseStreamChoice(
-            index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
+            index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+            prompt_token_ids=None, prompt_text=None)
+    fingerprint = None
     async for c in chunks:
         if c.error:
             raise c.error
         if c.text or c.finish_reason or c.logprobs:
-            logprobs = None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs)
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
-                logprobs=logprobs, finish_reason=c.finish_reason)
+                logprobs=None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs),
+                finish_reason=c.finish_reason, token_ids=None)
+            extra = {}
             if c.finish_reason is not None:
                 choice.stop_reason = c.stop_reason
-            yield event([choice])
+                fingerprint = c.system_fingerprint
+                if fingerprint is not None and not include_usage:
+                    extra["system_fingerprint"] = fingerprint
+            yield event([choice], **extra)
         if c.done and include_usage:
-            yield event([], usage=usage(c))
+            yield event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint)
 
 
 async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
@@ -151,16 +162,23 @@ async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model
     """A /v1/completions answer's events, [DONE] aside."""
     created = int(time.time())
 
-    def event(choices: list, **extra) -> str:
+    def event(choices: list, exclude_none: bool = False, **extra) -> str:
         return sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
-                                            model=model, choices=choices, **extra))
+                                            model=model, choices=choices, **extra), exclude_none)
 
+    fingerprint = None
     async for c in chunks:
         if c.error:
             raise c.error
         if c.text or c.finish_reason or c.logprobs:
+            extra = {}
+            if c.finish_reason is not None:
+                fingerprint = c.system_fingerprint
+                if fingerprint is not None and not include_usage:
+                    extra["system_fingerprint"] = fingerprint
             yield event([CompletionResponseStreamChoice(
                 index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs))])
+                logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs),
+                prompt_token_ids=None, token_ids=None)], **extra)
         if c.done and include_usage:
-            yield event([], usage=usage(c))
+            yield event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint)

@@ -65,5 +65,6 @@ class DecodeChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    system_fingerprint: str | None = None  # vLLM's fingerprint of the engine's config, on a choice's last chunk
     missing_keys: list[str] | None = None  # features vanished from the cache: ingress re-encodes
     error: IrisError | None = None  # the engine refused the request

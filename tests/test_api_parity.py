@@ -297,6 +297,26 @@ def test_models_lists_vllm_fields(iris_base, vllm_base):
         assert iris[key] == peer[key] or key == "root", (key, iris[key], peer[key])
 
 
+def test_responses_have_vllm_serve_fields(iris_base, vllm_base):
+    """Iris answers with vLLM's response models: the same fields as `vllm serve`, whole
+    answers and stream chunks, chat and completions."""
+    def fields(base, path, body):
+        whole = httpx.post(f"{base}{path}", json=body, timeout=300).json()
+        streamed = httpx.post(f"{base}{path}", json={**body, "stream": True}, timeout=300).text.splitlines()
+        chunks = [json.loads(line[6:]) for line in streamed if line.startswith("data: {")]
+        choice = whole["choices"][0]
+        return ({k: sorted(v) if isinstance(v, dict) else None for k, v in whole.items()},
+                sorted(choice), sorted(choice.get("message") or {}),
+                [(sorted(c), [sorted(ch) for ch in c["choices"]]) for c in chunks[:1] + chunks[-1:]])
+
+    chat_body = {"model": NAME, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
+    text_body = {"model": NAME, "prompt": "Say hi", "max_tokens": 4, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat_body), ("/v1/completions", text_body)):
+        iris, peer = fields(iris_base, path, body), fields(vllm_base, path, body)
+        assert iris[:3] == peer[:3], (path, iris[:3], peer[:3])
+        assert iris[3] == peer[3], (path, iris[3], peer[3])
+
+
 def ask_text(base: str, body: dict) -> tuple[int, dict]:
     """(status, normalised answer): per choice index (text, finish_reason, logprobs); usage."""
     status, answer = post(base, "/v1/completions", body)
