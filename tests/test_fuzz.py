@@ -22,7 +22,8 @@ from PIL import Image
 from pipeline.chat_request import ParsedChat, parse_chat_request
 from pipeline.errors import IrisError
 from pipeline.json_body import parse_json_body
-from pipeline.media import MediaLimits, decode_image, load_media_bytes
+from pipeline.media import MediaLimits, load_media_bytes
+from pipeline.media_decode import decode_image
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)  # reproducible in CI; new inputs come from editing strategies

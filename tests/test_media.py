@@ -14,7 +14,8 @@ import pytest
 from PIL import Image, ImageFile
 
 from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, decode_image, fetch_client, load_media_bytes, to_rgb
+from pipeline.media import MediaLimits, fetch_client, load_media_bytes
+from pipeline.media_decode import decode_image, to_rgb
 from tests.support.http_server import QuietHandler, http_server
 
 LIMITS = MediaLimits()

@@ -353,7 +353,8 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
     request = DecodeRequest("stale-1", [{"role": "user", "content": [{"type": "image"}]}], [stale], None)
     chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
                   .generate.remote(request))
-    assert len(chunks) == 1 and chunks[0].error["code"] == "model_changed"
+    assert len(chunks) == 1 and isinstance(chunks[0].error, IrisError)
+    assert chunks[0].error.code == "model_changed" and chunks[0].error.status_code == 503
     # The ingress, asked normally, still answers.
     assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
 
