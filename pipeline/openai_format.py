@@ -43,13 +43,18 @@ from pipeline.logprobs import extend_completion_logprobs
 from pipeline.stage_io import DecodeChunk
 
 DONE = "data: [DONE]\n\n"
+# Unicode line breaks that JSON leaves raw in strings but line readers (str.splitlines, httpx's
+# iter_lines) split on, cutting an event in two: escaped, they stay the same JSON string.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(body: OpenAIBaseModel | dict, exclude_none: bool = False) -> str:
     """One server-sent event; a model without its unset fields (vLLM's stream chunks)."""
     if isinstance(body, dict):
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-    return f"data: {body.model_dump_json(exclude_unset=True, exclude_none=exclude_none)}\n\n"
+        data = json.dumps(body, ensure_ascii=False)
+    else:
+        data = body.model_dump_json(exclude_unset=True, exclude_none=exclude_none)
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 def usage(last: DecodeChunk) -> UsageInfo:
