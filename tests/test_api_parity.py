@@ -140,7 +140,7 @@ def post(base: str, path: str, body: dict) -> tuple[int, dict | list[dict] | str
         return r.status_code, r.text[:400]
     if not body.get("stream"):
         return 200, r.json()
-    chunks = sse_chunks(r.text.splitlines())
+    chunks = sse_chunks(r.text)
     for j in chunks:
         assert "error" not in j, j
     return 200, chunks
@@ -302,8 +302,7 @@ def test_responses_have_vllm_serve_fields(iris_base, vllm_base):
     answers and stream chunks, chat and completions."""
     def fields(base, path, body):
         whole = httpx.post(f"{base}{path}", json=body, timeout=300).json()
-        streamed = httpx.post(f"{base}{path}", json={**body, "stream": True}, timeout=300).text.splitlines()
-        chunks = [json.loads(line[6:]) for line in streamed if line.startswith("data: {")]
+        chunks = sse_chunks(httpx.post(f"{base}{path}", json={**body, "stream": True}, timeout=300).text)
         choice = whole["choices"][0]
         return ({k: sorted(v) if isinstance(v, dict) else None for k, v in whole.items()},
                 sorted(choice), sorted(choice.get("message") or {}),

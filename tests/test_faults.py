@@ -201,7 +201,7 @@ def test_streamed_timeout_ends_the_stream_in_band(fault_app):
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=_long_body(stream=True),
                       timeout=TIMEOUT_S + 30) as r:
         assert r.status_code == 200
-        events = sse_events(r.iter_lines())
+        events = sse_events(r.iter_text())
     elapsed = time.monotonic() - started
     assert events[-1] == "[DONE]" and TIMEOUT_S - 0.5 <= elapsed <= TIMEOUT_S + 5, (events[-3:], elapsed)
     _assert_openai_error(json.loads(events[-2])["error"], 504)

@@ -233,7 +233,7 @@ def test_raw_sse_ends_with_done(app):
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = sse_events(r.iter_lines())
+        events = sse_events(r.iter_text())
     assert events[-1] == "[DONE]"
     assert len(events) >= 3
 
