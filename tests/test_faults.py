@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import signal
-import threading
 import time
 from urllib.parse import urlsplit
 
