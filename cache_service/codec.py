@@ -41,24 +41,11 @@ CHECKSUM_XXH3_64 = 1
 HEADER = struct.Struct("<4sIQ")
 _META_KEY = "iris.meta"
 
-# Stored by name so a value does not depend on torch's enum numbering.
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# safetensors' dtype names.
-_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                       "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-                       "I64": torch.int64, "BOOL": torch.bool}
+# The dtypes a value may hold, by their name in the safetensors header.
+DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                                  "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                                  "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+_ALLOWED_DTYPES = frozenset(DTYPES.values())
 
 
 class CorruptValue(ValueError):
@@ -81,7 +68,7 @@ class Features:
         for name, tensor in self.tensors.items():
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 raise TypeError("tensors must map str to torch.Tensor")
-            if tensor.dtype not in _DTYPE_NAMES:
+            if tensor.dtype not in _ALLOWED_DTYPES:
                 raise TypeError(f"tensor {name!r}: unsupported dtype {tensor.dtype}")
 
     @property
@@ -151,7 +138,7 @@ def _decode_payload(view: memoryview, copy: bool) -> Features:
         raise CorruptValue("missing metadata")
     tensors = {}
     for name, info in header.items():
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        dtype = DTYPES[info["dtype"]]
         shape = info["shape"]
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CorruptValue(f"bad shape {shape!r}")
