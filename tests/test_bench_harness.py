@@ -209,6 +209,24 @@ def test_defaultrouter_config_drops_only_the_router(tmp_path):
         systems.iris_config(engine, 1, 8000, cache=True, namespace="x", deployments={"Preproces": {}})
 
 
+def test_the_ray_serve_llm_peer_builds_in_this_environment():
+    """The peer's app as the harness deploys it: its import path and router class import, and
+    build_openai_app accepts the config (a dependency ray.serve.llm needs but does not declare,
+    pyarrow, once went missing and every comparison ran without the peer)."""
+    import importlib
+
+    from ray.serve import Application
+
+    from bench.harness import systems
+
+    config = systems.rayllm_config(systems.EngineSettings("/ckpt", "float32"), 1, 8000, affinity=True)
+    app = config["applications"][0]
+    module, _, name = app["import_path"].partition(":")
+    router = app["args"]["llm_configs"][0]["deployment_config"]["request_router_config"]["request_router_class"]
+    importlib.import_module(router.rpartition(".")[0]).__dict__[router.rpartition(".")[2]]
+    assert isinstance(getattr(importlib.import_module(module), name)(app["args"]), Application)
+
+
 def test_vllm_replicas_get_cores_of_their_own():
     from bench.harness.systems import vllm_cpu_binding
 
