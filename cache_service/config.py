@@ -24,6 +24,10 @@ class CacheConfig(BaseModel):
         "None runs the cache on the in-process tier only. ${NAME} is replaced where Iris connects "
         "by that environment variable, URL-quoted (e.g. redis://:${IRIS_REDIS_PASSWORD}@host:6379/0).",
     )
+    redis_cluster: bool = Field(
+        False, description="redis_url names one node of a Redis Cluster: keys spread over its masters "
+        "(redis-py's cluster client follows MOVED/ASK and failovers); a master that is down makes its keys "
+        "misses while the others keep serving. The cluster must run with cluster-require-full-coverage no.")
     namespace: str = Field(
         DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Key prefix; must equal the namespace the keys were built with.")
     l1_max_bytes: int = Field(
@@ -85,6 +89,8 @@ class CacheConfig(BaseModel):
     def _check_bounds(self) -> "CacheConfig":
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff_max_s must be >= backoff_initial_s")
+        if self.redis_cluster and (self.redis_url is None or self.redis_url.startswith("unix://")):
+            raise ValueError("redis_cluster needs a redis:// or rediss:// redis_url naming one node of the cluster")
         if self.single_flight_poll_s > self.single_flight_wait_s:
             raise ValueError("single_flight_poll_s must be <= single_flight_wait_s")
         return self

@@ -22,9 +22,9 @@ class CacheStats:
     oversize: int = 0  # values above max_value_bytes, kept out of Redis
     encode_errors: int = 0  # features that could not be serialised (kept in L1 only)
     l2_errors: int = 0  # failed Redis commands of any kind
-    degraded_transitions: int = 0  # times Redis went from available to unavailable
-    reconnects: int = 0  # times it came back
-    degraded: int = 0  # 1 while Redis is unavailable, else 0
+    degraded_transitions: int = 0  # times a shard (one Redis, or a cluster master) became unreachable
+    reconnects: int = 0  # times one came back
+    degraded: int = 0  # shards unreachable now (one Redis: 1 while it is down), else 0
     single_flight_local_waits: int = 0  # keys joined to a computation in this process
     single_flight_waits: int = 0  # keys waited for on another replica's lock
     single_flight_wait_timeouts: int = 0  # ... of which the wait ran out

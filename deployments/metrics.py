@@ -24,7 +24,8 @@ class CacheMetrics:
             "(l1_hits, l1_misses, l2_hits, l2_misses, puts, corrupt, oversize, degraded transitions, ...)",
             tag_keys=("event",))
         self.degraded = metrics.Gauge(
-            "iris_feature_cache_degraded", description="1 while Redis is unreachable and the cache serves L1 only",
+            "iris_feature_cache_degraded", description="Redis shards unreachable now (one Redis: 1 while it is down); "
+            "their keys are misses",
         )
         self._last: dict[str, float] = {}
 
@@ -37,7 +38,7 @@ class CacheMetrics:
             if delta > 0:
                 self.counter.inc(delta, tags={"event": name})
         self._last = dict(snapshot)
-        self.degraded.set(0 if self.cache.redis_available else 1)
+        self.degraded.set(snapshot["degraded"])
 
 
 def latency_histogram(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> metrics.Histogram:

@@ -1,0 +1,206 @@
+"""The feature cache on a real Redis Cluster: 3 masters with a replica each, `redis-server`
+processes on this machine (tests/support/redis_cluster.py). No Ray.
+
+Keys spread over every master; single-flight holds across masters; a stale or forged value
+on any master is rejected; a master killed under load, and slots migrating under load,
+fail no call: the dead master's keys are misses until its replica is promoted, the other
+masters' keys keep hitting throughout, and hits resume after the failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from cache_service.codec import encode
+from cache_service.config import CacheConfig
+from cache_service.feature_cache import FeatureCache
+from cache_service.keys import content_key
+from cache_service.validation import ValueCheck, stamp_fingerprint
+from tests.cache_fixtures import assert_same_features, make_features
+from tests.support.redis_cluster import RedisClusterProcesses
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not available"),
+]
+FP = "0123abcd"
+KEYS = [content_key(FP, f"image {i}".encode(), namespace="cluster") for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = RedisClusterProcesses().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+async def caches():
+    made: list[FeatureCache] = []
+
+    def make(cluster: RedisClusterProcesses, check: ValueCheck | None = None, **overrides) -> FeatureCache:
+        settings = {"redis_url": cluster.url, "redis_cluster": True, "namespace": "cluster",
+                    "l1_max_bytes": 0, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, **overrides}
+        cache = FeatureCache(CacheConfig(**settings), check=check)
+        made.append(cache)
+        return cache
+
+    yield make
+    for cache in made:
+        await cache.close()
+
+
+async def test_keys_spread_over_every_master_and_read_back(cluster, caches):
+    writer, reader = caches(cluster), caches(cluster)
+    features = [make_features(i) for i in range(len(KEYS))]
+    assert await writer.put_many(list(zip(KEYS, features))) == [True] * len(KEYS)
+    per_master = {port: cluster.client(port).dbsize() for port in cluster.masters()}
+    assert len(per_master) == 3 and all(n > 0 for n in per_master.values()), per_master
+    got = await reader.get_many(KEYS)
+    for want, have in zip(features, got):
+        assert_same_features(want, have)
+    assert reader.counters.l2_hits == len(KEYS)
+    assert await reader.contains_many(KEYS + [KEYS[0] + "x"]) == [True] * len(KEYS) + [False]
+
+
+async def test_single_flight_across_masters(cluster, caches):
+    """Two replicas' caches miss on the same keys at once: each key is computed once; a key
+    and its lock may live on different masters."""
+    keys = [content_key(FP, f"flight {i}".encode(), namespace="cluster") for i in range(12)]
+    computed: list[int] = []
+
+    async def compute(indexes: list[int]):
+        computed.extend(indexes)
+        await asyncio.sleep(0.2)  # long enough for the other caller to find the locks taken
+        return [make_features(i) for i in indexes]
+
+    a, b = caches(cluster), caches(cluster)
+    results = await asyncio.gather(a.get_or_compute_many(keys, compute), b.get_or_compute_many(keys, compute))
+    assert sorted(computed) == list(range(len(keys)))
+    for i in range(len(keys)):
+        assert_same_features(results[0][i].features, results[1][i].features)
+    assert len({cluster.port_of_key(k + ":lock") for k in keys}) == 3  # the locks too spread over the masters
+
+
+async def test_forged_and_corrupt_values_rejected_on_every_master(cluster, caches):
+    """As on one Redis (test_cache_poisoning.py): wrong for the model or not a value at all ->
+    counted, deleted, a miss."""
+    def expect_16_tokens(features):
+        return None if features.tensors["image_embeds"].shape[0] == 16 else "wrong token count"
+
+    keys = [content_key(FP, f"forged {i}".encode(), namespace="cluster") for i in range(12)]
+    by_master: dict[int, list[str]] = {}
+    for key in keys:
+        by_master.setdefault(cluster.port_of_key(key), []).append(key)
+    assert len(by_master) == 3
+    forged, corrupt = [], []
+    for port, master_keys in by_master.items():
+        client = cluster.client(port)
+        client.set(master_keys[0], bytes(encode(stamp_fingerprint(make_features(tokens=8), FP))))
+        client.set(master_keys[-1], b"IRF2 not a value")
+        forged.append(master_keys[0])
+        corrupt.append(master_keys[-1])
+    reader = caches(cluster, check=ValueCheck(expect_16_tokens))
+    assert await reader.get_many(forged + corrupt) == [None] * 6
+    assert reader.counters.rejected == 3 and reader.counters.corrupt == 3
+    assert not any(cluster.client(cluster.port_of_key(k)).exists(k) for k in forged + corrupt)
+
+
+class Load:
+    """`clients` callers looping get_or_compute_many over KEYS, recording per call the time,
+    the keys served from Redis and any exception."""
+
+    def __init__(self, caches: list[FeatureCache]):
+        self.caches = caches
+        self.calls: list[tuple[float, set[str]]] = []
+        self.failures: list[BaseException] = []
+        self._stop = asyncio.Event()
+
+    async def _client(self, cache: FeatureCache) -> None:
+        async def compute(indexes):
+            return [make_features(i) for i in indexes]
+        while not self._stop.is_set():
+            try:
+                results = await cache.get_or_compute_many(KEYS, compute)
+                self.calls.append((time.monotonic(), {k for k, r in zip(KEYS, results) if not r.computed}))
+            except Exception as err:  # the cache must never raise because of Redis
+                self.failures.append(err)
+            await asyncio.sleep(0.01)
+
+    async def __aenter__(self) -> "Load":
+        self._tasks = [asyncio.create_task(self._client(c)) for c in self.caches]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+    def since(self, t: float) -> list[set[str]]:
+        return [hits for when, hits in self.calls if when >= t]
+
+    async def until(self, condition, timeout_s: float, message: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, message
+            await asyncio.sleep(0.1)
+
+
+async def test_a_master_killed_under_load(caches):
+    cluster = RedisClusterProcesses().start()  # its own: this test leaves it with a master fewer
+    try:
+        writer = caches(cluster)
+        assert all(await writer.put_many([(k, make_features(i)) for i, k in enumerate(KEYS)]))
+        for port in cluster.masters():
+            assert cluster.client(port).execute_command("WAIT", 1, 5000) == 1  # on the replicas too
+        victim = cluster.masters()[0]
+        heir = cluster.replica_of(victim)
+        victim_keys = {k for k in KEYS if cluster.port_of_key(k) == victim}
+        others = set(KEYS) - victim_keys
+        assert victim_keys and others
+        async with Load([caches(cluster) for _ in range(4)]) as load:
+            await load.until(lambda: len(load.calls) >= 8, 30, "no calls before the kill")
+            killed = time.monotonic()
+            cluster.kill(victim)
+            await load.until(lambda: heir in cluster.masters(), 30, "the replica was not promoted")
+            promoted = time.monotonic()
+            outage = [hits for when, hits in load.calls if killed + 0.5 <= when <= promoted]
+            await load.until(lambda: any(victim_keys <= hits for hits in load.since(promoted)), 30,
+                             "the dead master's keys did not hit again after the failover")
+            await load.until(lambda: all(c.l2.shards_down == [] for c in load.caches), 10,
+                             "the dead master is still counted as down after the failover")
+        assert load.failures == []
+        # During the outage the other masters' keys kept hitting, the dead one's were misses.
+        assert outage and all(others <= hits for hits in outage)
+        assert all(not (victim_keys & hits) for hits in outage)
+        assert all(c.stats()["degraded"] == 0 and c.stats()["reconnects"] == 1 for c in load.caches)
+    finally:
+        cluster.stop()
+
+
+async def test_slot_migration_under_load(cluster, caches):
+    writer = caches(cluster)
+    assert all(await writer.put_many([(k, make_features(i)) for i, k in enumerate(KEYS)]))
+    nodes = cluster.cluster_nodes()
+    source = next(n for n in nodes if n["port"] == cluster.port_of_key(KEYS[0]))
+    target = next(n for n in nodes if n["port"] in cluster.masters() and n["id"] != source["id"])
+    async with Load([caches(cluster) for _ in range(4)]) as load:
+        await load.until(lambda: len(load.calls) >= 4, 30, "no calls before the migration")
+        started = time.monotonic()
+        # Every slot of the master that holds KEYS[0], so that key moves while it is read.
+        moving = await asyncio.to_thread(subprocess.run, [
+            "redis-cli", "--cluster", "reshard", f"127.0.0.1:{source['port']}", "--cluster-from", source["id"],
+            "--cluster-to", target["id"], "--cluster-slots", "16384", "--cluster-yes"],
+            capture_output=True, timeout=120)
+        assert moving.returncode == 0, moving.stderr[-2000:]
+        finished = time.monotonic()
+        await load.until(lambda: len(load.since(finished)) >= 4, 30, "no calls after the migration")
+    assert cluster.port_of_key(KEYS[0]) == target["port"]
+    assert load.failures == []
+    during = [hits for when, hits in load.calls if when >= started]
+    assert len(during) >= 8 and all(hits == set(KEYS) for hits in during), \
+        [len(hits) for hits in during if hits != set(KEYS)]
