@@ -23,6 +23,7 @@ import torch
 from cache_service.codec import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from bench.harness.redis_servers import RedisProcess
 from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace  # noqa: F401  (SHARED_REDIS_URL: re-exported)
 
 FINGERPRINT = "0123abcd"
@@ -86,39 +87,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class RedisProcess:
-    """A private redis-server that a test can kill, stop and start again on the same port."""
-
-    def __init__(self, port: int, *extra_args: str):
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 5
-        while True:  # up once the port accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 @contextmanager

@@ -5,7 +5,8 @@ import logging
 import signal
 import time
 
-from tests.cache_fixtures import FINGERPRINT, RedisProcess, assert_same_features, free_port, make_features
+from bench.harness.redis_servers import RedisProcess
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, free_port, make_features
 
 from cache_service.keys import content_key
 

@@ -1,5 +1,5 @@
 """The feature cache on a real Redis Cluster: 3 masters with a replica each, `redis-server`
-processes on this machine (tests/support/redis_cluster.py). No Ray.
+processes on this machine (bench/harness/redis_servers.py). No Ray.
 
 Keys spread over every master; single-flight holds across masters; a stale or forged value
 on any master is rejected; a master killed under load, and slots migrating under load,
@@ -22,7 +22,7 @@ from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key
 from cache_service.validation import ValueCheck, stamp_fingerprint
 from tests.cache_fixtures import assert_same_features, make_features
-from tests.support.redis_cluster import RedisClusterProcesses
+from bench.harness.redis_servers import RedisClusterProcesses
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -45,7 +45,10 @@ async def caches():
 
     def make(cluster: RedisClusterProcesses, check: ValueCheck | None = None, **overrides) -> FeatureCache:
         settings = {"redis_url": cluster.url, "redis_cluster": True, "namespace": "cluster",
-                    "l1_max_bytes": 0, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, **overrides}
+                    "l1_max_bytes": 0, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
+                    # A killed master refuses connections at once; these only keep a busy machine
+                    # from passing for a dead master.
+                    "redis_timeout_s": 2.0, "redis_connect_timeout_s": 2.0, **overrides}
         cache = FeatureCache(CacheConfig(**settings), check=check)
         made.append(cache)
         return cache

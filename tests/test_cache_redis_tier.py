@@ -8,7 +8,8 @@ import redis
 from cache_service.config import CacheConfig
 from cache_service.redis_tier import PIPELINE_BYTES, RedisTier, groups_by_size
 from cache_service.stats import CacheStats
-from tests.cache_fixtures import SHARED_REDIS_URL, RedisProcess, free_port
+from bench.harness.redis_servers import RedisProcess
+from tests.cache_fixtures import SHARED_REDIS_URL, free_port
 
 
 def _tier(url: str, timeout_s: float = 1.0) -> RedisTier:

@@ -1,6 +1,6 @@
-"""A real Redis Cluster on this machine: 3 masters with one replica each, `redis-server`
-processes on free ports, made with `redis-cli --cluster create`. For the tests of the
-cluster mode of the feature cache (tests/test_cache_redis_cluster.py)."""
+"""Private Redis servers for tests and benchmarks: one `redis-server` that can be killed,
+stopped and started again on the same port, and a real Redis Cluster on this machine
+(3 masters with a replica each by default, made with `redis-cli --cluster create`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,40 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from tests.cache_fixtures import RedisProcess
+
+class RedisProcess:
+    """A private redis-server that a test can kill, stop and start again on the same port."""
+
+    def __init__(self, port: int, *extra_args: str):
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra_args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while True:  # up once the port accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 
 # Short enough that a failover happens within a test, long enough not to trip on a busy machine.
 NODE_TIMEOUT_MS = 2000
