@@ -65,7 +65,7 @@ class FeatureCache:
         return self.l2 is not None and self.l2.available
 
     async def ping(self) -> bool:
-        """True when Redis answers now (a failure starts degraded mode, like any command)."""
+        """True when Redis answers now, every master of a cluster (see RedisTier.ping)."""
         return self.l2 is not None and await self.l2.ping()
 
     def stats(self) -> dict[str, int | float]:

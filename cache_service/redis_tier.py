@@ -159,14 +159,16 @@ class RedisTier:
         return None if found is None else [bool(n) for n in found]
 
     async def ping(self) -> bool:
-        """True when every shard answers."""
+        """True when every shard answers. One Redis that does not starts degraded mode, like any
+        command; a cluster master that does not is left to the commands on its keys."""
         if not self.available:
             return False
         if isinstance(self._client, RedisCluster):
-            command = lambda: self._client.ping(target_nodes=RedisCluster.PRIMARIES)  # noqa: E731
-        else:
-            command = self._client.ping
-        return bool(await self._run("PING", WHOLE, command))
+            try:
+                return bool(await self._client.ping(target_nodes=RedisCluster.PRIMARIES))
+            except (RedisError, OSError):
+                return False
+        return bool(await self._run("PING", WHOLE, self._client.ping))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         # One DEL per key: a cluster refuses a DEL whose keys are in different slots.

@@ -169,6 +169,9 @@ async def test_a_master_killed_under_load(caches):
             await load.until(lambda: len(load.calls) >= 8, 30, "no calls before the kill")
             killed = time.monotonic()
             cluster.kill(victim)
+            probe = load.caches[0]
+            # /health says Redis is not whole, but the other masters stay in use.
+            assert await probe.ping() is False and probe.redis_available
             await load.until(lambda: heir in cluster.masters(), 30, "the replica was not promoted")
             promoted = time.monotonic()
             outage = [hits for when, hits in load.calls if killed + 0.5 <= when <= promoted]
@@ -181,6 +184,7 @@ async def test_a_master_killed_under_load(caches):
         assert outage and all(others <= hits for hits in outage)
         assert all(not (victim_keys & hits) for hits in outage)
         assert all(c.stats()["degraded"] == 0 and c.stats()["reconnects"] == 1 for c in load.caches)
+        assert await probe.ping() is True
     finally:
         cluster.stop()
 
