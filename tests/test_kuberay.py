@@ -2,9 +2,11 @@
 own CRD schema with unknown fields rejected and no field KubeRay ignores, places GPU
 deployments on GPU pods only, and reaches a password-protected Redis with LRU eviction
 that only Iris's Ray pods may reach (NetworkPolicy), with probes that really answer.
-The Redis and NetworkPolicy manifests pass Kubernetes' own (vendored) schemas. The image
-is built from the CUDA lock without test or bench extras, and the locks agree with
-pyproject.toml. All offline (the Redis probe test starts a local redis-server)."""
+The alternative Redis Cluster (redis-cluster.yaml) has the cluster flags, the Secret, a
+persistent nodes.conf and a Job that forms it once (run for real). The Redis and
+NetworkPolicy manifests pass Kubernetes' own (vendored) schemas. The image is built from
+the CUDA lock without test or bench extras, and the locks agree with pyproject.toml. All
+offline (the Redis tests start local redis-servers)."""
 
 from __future__ import annotations
 
@@ -279,6 +281,8 @@ K8S_SCHEMA_FILES = {
     ("apps/v1", "Deployment"): "deployment-apps-v1.json",
     ("v1", "Service"): "service-v1.json",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
+    ("apps/v1", "StatefulSet"): "statefulset-apps-v1.json",
+    ("batch/v1", "Job"): "job-batch-v1.json",
 }
 
 
@@ -308,10 +312,14 @@ def _k8s_errors(validators, doc) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@pytest.mark.parametrize("name", ["redis.yaml", "networkpolicy.yaml"])
-def test_manifests_match_kubernetes_schemas(k8s_validators, name):
+@pytest.mark.parametrize("name, kinds", [
+    ("redis.yaml", ["Deployment", "Service"]),
+    ("networkpolicy.yaml", ["NetworkPolicy"]),
+    ("redis-cluster.yaml", ["Service", "Service", "StatefulSet", "Job", "NetworkPolicy"]),
+])
+def test_manifests_match_kubernetes_schemas(k8s_validators, name, kinds):
     docs = _docs(name)
-    assert docs
+    assert [d["kind"] for d in docs] == kinds
     for doc in docs:
         assert _k8s_errors(k8s_validators, doc) == [], doc["kind"]
 
@@ -319,6 +327,21 @@ def test_manifests_match_kubernetes_schemas(k8s_validators, name):
 def _redis_container(docs):
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _kind(docs, kind, name=None):
+    (doc,) = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return doc
+
+
+def _cluster_container(docs):
+    (container,) = _kind(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _job_container(docs):
+    (container,) = _kind(docs, "Job")["spec"]["template"]["spec"]["containers"]
     return container
 
 
@@ -330,6 +353,15 @@ def _redis_container(docs):
     ("redis.yaml", lambda d: _redis_container(d)["livenessProbe"]["exec"].update(command="redis-cli ping"),
      "command"),
     ("redis.yaml", lambda d: d[1]["spec"]["ports"][0].update(port="six"), "six"),
+    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(serviceNme="x"), "serviceNme"),
+    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"]["volumeClaimTemplates"][0]["spec"]
+     .update(accesModes=["ReadWriteOnce"]), "accesModes"),
+    ("redis-cluster.yaml", lambda d: _cluster_container(d)["readinessProbe"].update(periodSecond=5),
+     "periodSecond"),
+    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(replicas="6"), "'6'"),
+    ("redis-cluster.yaml", lambda d: _kind(d, "Job")["spec"].update(backOffLimit=6), "backOffLimit"),
+    ("redis-cluster.yaml", lambda d: _job_container(d).update(comand=["sh"]), "comand"),
+    ("redis-cluster.yaml", lambda d: _kind(d, "NetworkPolicy")["spec"]["ingress"][0].update(form=[]), "form"),
 ])
 def test_broken_kubernetes_manifests_fail(k8s_validators, name, break_it, expected):
     docs = copy.deepcopy(_docs(name))
@@ -510,6 +542,309 @@ def test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password(tmp_p
         proc.wait()
     for kind, command in commands.items():
         assert run(command, password) != 0, kind
+
+
+# ---- Redis Cluster (redis-cluster.yaml): the alternative to redis.yaml ----
+
+def _args(container) -> dict[str, str]:
+    """redis-server's `--name value` pairs (the last one wins, as in redis-server)."""
+    args = container["args"]
+    assert all(a.startswith("--") for a in args[::2]) and len(args) % 2 == 0, args
+    return dict(zip((a.removeprefix("--") for a in args[::2]), args[1::2]))
+
+
+def _k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of command and args: $(NAME) of a defined variable is replaced,
+    $$ becomes $, anything else (an undefined $(...), a shell's $(( ))) is left as it is."""
+    def one(match):
+        if match[0] == "$$":
+            return "$"
+        return env.get(match[1], match[0])
+    return re.sub(r"\$\$|\$\(([^)]*)\)", one, text)
+
+
+def _redis_cluster_problems(docs) -> list[str]:
+    problems = []
+    sts = _kind(docs, "StatefulSet")
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    container = _cluster_container(docs)
+    args = _args(container)
+    env = {e["name"]: e for e in container.get("env", [])}
+    want = {"cluster-enabled": "yes", "cluster-require-full-coverage": "no", "cluster-preferred-endpoint-type": "hostname",
+            "requirepass": "$(REDIS_PASSWORD)", "masterauth": "$(REDIS_PASSWORD)", "maxmemory-policy": "allkeys-lru",
+            "save": "", "appendonly": "no"}
+    for flag, value in want.items():
+        if args.get(flag) != value:
+            problems.append(f"--{flag} is {args.get(flag)!r}, not {value!r}")
+    if not 1000 <= int(args.get("cluster-node-timeout", 0)) <= 15000:
+        problems.append(f"--cluster-node-timeout {args.get('cluster-node-timeout')}")
+    if not args.get("maxmemory", "").endswith("gb"):
+        problems.append("no --maxmemory")
+    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):
+        if _secret_env(container, name) != SECRET:
+            problems.append(f"{name} is not the Secret's password")
+    # The announced hostname: the pod's own name under the headless Service, resolvable
+    # from Iris's pods (same namespace) and stable across restarts.
+    headless = _kind(docs, "Service", spec["serviceName"])
+    if headless["spec"].get("clusterIP") != "None" or not headless["spec"].get("publishNotReadyAddresses"):
+        problems.append("the StatefulSet's Service is not headless with not-ready addresses published")
+    if args.get("cluster-announce-hostname") != f"$(POD_NAME).{spec['serviceName']}":
+        problems.append(f"--cluster-announce-hostname {args.get('cluster-announce-hostname')!r}")
+    if env.get("POD_NAME", {}).get("valueFrom") != {"fieldRef": {"fieldPath": "metadata.name"}}:
+        problems.append("POD_NAME is not the pod's name")
+    # nodes.conf on a volume from volumeClaimTemplates; the data is not persisted.
+    mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+    claims = {c["metadata"]["name"] for c in spec.get("volumeClaimTemplates", [])}
+    config_dir = args.get("cluster-config-file", "").rpartition("/")[0]
+    if not any(mounts.get(c) == config_dir for c in claims):
+        problems.append(f"nodes.conf ({args.get('cluster-config-file')}) is not on a volumeClaimTemplate")
+    if args.get("dir") in {mounts.get(c) for c in claims}:
+        problems.append("Redis's working directory is on the persistent volume")
+    # 3 masters, a replica each: the Job forms the cluster of exactly the StatefulSet's pods.
+    labels = spec["template"]["metadata"]["labels"]
+    if spec.get("replicas") != 6 or spec["selector"]["matchLabels"] != labels:
+        problems.append(f"replicas {spec.get('replicas')}, selector {spec['selector']}")
+    for service in (d for d in docs if d["kind"] == "Service"):
+        if service["spec"]["selector"] != labels:
+            problems.append(f"Service {service['metadata']['name']} selects other pods")
+    client = _kind(docs, "Service", "iris-redis-cluster")
+    if client["spec"].get("clusterIP") == "None" or [p["port"] for p in client["spec"]["ports"]] != [6379]:
+        problems.append("the client Service iris-redis-cluster is not a ClusterIP Service on 6379")
+    job = _job_container(docs)
+    nodes = {e["name"]: e.get("value") for e in job["env"]}.get("NODES", "").split()
+    expected = [f"{sts['metadata']['name']}-{i}.{spec['serviceName']}:6379" for i in range(spec.get("replicas", 0))]
+    if nodes != expected:
+        problems.append(f"the Job's NODES {nodes} are not the pods {expected}")
+    script = job["command"][-1]
+    if "--cluster-replicas 1" not in script or "--cluster create $NODES" not in script:
+        problems.append("the Job does not create the cluster of $NODES with a replica per master")
+    if _secret_env(job, "REDISCLI_AUTH") != SECRET:
+        problems.append("the Job has no REDISCLI_AUTH from the Secret")
+    if _k8s_expand(script, {e["name"]: "X" for e in job["env"]}) != script:
+        problems.append("Kubernetes would rewrite the Job's script ($(NAME) of its env, or $$)")
+    if _kind(docs, "Job")["spec"]["template"]["spec"].get("restartPolicy") not in ("OnFailure", "Never"):
+        problems.append("the Job's pod restarts Always")
+    images = {c["image"] for c in (container, job)}
+    if images != {_redis_container(_docs("redis.yaml"))["image"]}:
+        problems.append(f"images {images} are not redis.yaml's")
+    return problems
+
+
+def test_redis_cluster_manifest_is_a_cluster_of_six_with_the_secret():
+    assert _redis_cluster_problems(_docs("redis-cluster.yaml")) == []
+
+
+def _set_arg(flag, value):
+    def edit(docs):
+        args = _cluster_container(docs)["args"]
+        args[args.index(flag) + 1] = value
+    return edit
+
+
+def _drop_arg(flag):
+    def edit(docs):
+        args = _cluster_container(docs)["args"]
+        del args[args.index(flag):args.index(flag) + 2]
+    return edit
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (_set_arg("--cluster-require-full-coverage", "yes"), "--cluster-require-full-coverage"),
+    (_drop_arg("--cluster-enabled"), "--cluster-enabled"),
+    (_drop_arg("--masterauth"), "--masterauth"),
+    (_set_arg("--requirepass", "$(REDISCLI_PASSWORD)"), "--requirepass"),
+    (_set_arg("--maxmemory-policy", "noeviction"), "--maxmemory-policy"),
+    (_set_arg("--cluster-announce-hostname", "$(POD_IP)"), "--cluster-announce-hostname"),
+    (_drop_arg("--cluster-preferred-endpoint-type"), "--cluster-preferred-endpoint-type"),
+    (_set_arg("--cluster-config-file", "/data/nodes.conf"), "volumeClaimTemplate"),
+    (_set_arg("--dir", "/cluster"), "working directory"),
+    (lambda d: _kind(d, "StatefulSet")["spec"].pop("volumeClaimTemplates"), "volumeClaimTemplate"),
+    (lambda d: _kind(d, "Service", "iris-redis-cluster-nodes")["spec"].pop("clusterIP"), "headless"),
+    (lambda d: _cluster_container(d)["env"].pop(0), "POD_NAME"),
+    (lambda d: _kind(d, "StatefulSet")["spec"].update(replicas=4), "NODES"),
+    (lambda d: _kind(d, "Service", "iris-redis-cluster")["spec"].update(selector={"app": "iris-redis"}),
+     "selects other pods"),
+    (lambda d: _job_container(d)["command"].__setitem__(-1, _job_container(d)["command"][-1]
+                                                       .replace("--cluster-replicas 1", "--cluster-replicas 0")),
+     "a replica per master"),
+    (lambda d: _job_container(d)["command"].__setitem__(-1, _job_container(d)["command"][-1] + "echo $(NODES)\n"),
+     "rewrite"),
+    (lambda d: _job_container(d)["env"].pop(0), "REDISCLI_AUTH"),
+    (lambda d: _cluster_container(d).update(image="redis:7"), "images"),
+])
+def test_broken_redis_cluster_manifest_is_caught(break_it, expected):
+    docs = copy.deepcopy(_docs("redis-cluster.yaml"))
+    break_it(docs)
+    problems = _redis_cluster_problems(docs)
+    assert any(expected in p for p in problems), problems
+
+
+def test_redis_cluster_probes_are_redis_yamls():
+    """The cluster's nodes answer the same authenticated probes as redis.yaml's Redis, which
+    test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password runs for real."""
+    container = _cluster_container(_docs("redis-cluster.yaml"))
+    single = _redis_container(_docs("redis.yaml"))
+    assert _probe_commands(container) == _probe_commands(single)
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind] == single[kind], kind
+    assert _secret_env(container, "REDISCLI_AUTH") == SECRET
+
+
+def _policies_admit(policies, target: dict, labels: dict, port: int, same_namespace: bool = True) -> bool:
+    """Kubernetes' sum of NetworkPolicies: a pod that some policy selects takes what any of them admits."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    return any(_admitted(p, labels, port, same_namespace) for p in selecting)
+
+
+def _cluster_policy_problems(policies, manifest, docs) -> list[str]:
+    node = _kind(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    job = _kind(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"]: p["containerPort"] for p in _cluster_container(docs)["ports"]}
+    client, bus = ports["redis"], ports["bus"]
+    problems = []
+    if bus != client + 10000:
+        problems.append(f"the bus port {bus} is not the client port + 10000")
+    if not any(_selects(p["spec"]["podSelector"], node) for p in policies):
+        problems.append("no policy selects the cluster's pods")
+    want = {f"Ray group {g}": (labels, {client}) for g, labels in _ray_pod_labels(manifest).items()}
+    want |= {"another cluster node": (node, {client, bus}), "the Job": (job, {client})}
+    for who, (labels, allowed) in want.items():
+        for port in (client, bus):
+            admitted = _policies_admit(policies, node, labels, port)
+            if admitted and port not in allowed:
+                problems.append(f"{who} is admitted on {port}")
+            if not admitted and port in allowed:
+                problems.append(f"{who} is not admitted on {port}")
+            if _policies_admit(policies, node, labels, port, same_namespace=False):
+                problems.append(f"{who} from another namespace is admitted on {port}")
+    strangers = {"no labels": {}, "another app": {"app": "web"}, "KubeRay's labels alone": KUBERAY_OWN_LABELS,
+                 "the single Redis": {"app": "iris-redis"}}
+    for who, labels in strangers.items():
+        for port in (client, bus):
+            if _policies_admit(policies, node, labels, port) or \
+                    _policies_admit(policies, node, labels, port, same_namespace=False):
+                problems.append(f"a pod with {who} is admitted on {port}")
+    return problems
+
+
+def _all_policies(docs):
+    return [*_docs("networkpolicy.yaml"), *(d for d in docs if d["kind"] == "NetworkPolicy")]
+
+
+def test_only_iris_the_nodes_and_the_job_reach_the_redis_cluster():
+    docs = _docs("redis-cluster.yaml")
+    assert _cluster_policy_problems(_all_policies(docs), _manifest(), docs) == []
+
+
+def _peers_policy(policies):
+    return next(p for p in policies if p["metadata"]["name"] == "iris-redis-cluster-peers")
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda ps: ps.pop(0), "Ray group cpu is not admitted on 6379"),       # without networkpolicy.yaml
+    (lambda ps: ps[0]["spec"].update(podSelector={"matchLabels": {"app": "iris-redis"}}), "Ray group"),
+    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["ports"].pop(1), "another cluster node is not admitted on 16379"),
+    (lambda ps: _peers_policy(ps)["spec"]["ingress"][1].pop("ports"), "the Job is admitted on 16379"),
+    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0].pop("from"), "no labels"),
+    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}), "another namespace"),
+    (lambda ps: ps[0]["spec"]["ingress"][0].pop("ports"), "Ray group cpu is admitted on 16379"),
+    (lambda ps: _peers_policy(ps)["spec"]["ingress"].pop(1), "the Job is not admitted"),
+    (lambda ps: [p["spec"].update(podSelector={"matchLabels": {"app": "x"}}) for p in ps], "no policy selects"),
+])
+def test_broken_redis_cluster_policies_are_caught(break_it, expected):
+    docs = _docs("redis-cluster.yaml")
+    policies = copy.deepcopy(_all_policies(docs))
+    break_it(policies)
+    problems = _cluster_policy_problems(policies, _manifest(), docs)
+    assert any(expected in p for p in problems), problems
+
+
+def _free_cluster_port(taken) -> int:
+    """A port free together with its cluster-bus port (port + 10000)."""
+    for port in range(21000 + 37 * len(taken), 30000, 7):
+        if port in taken or port + 10000 in taken or port - 10000 in taken:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+                    reason="redis-server/redis-cli not installed (.ci/run installs them)")
+def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
+    """The Job's own script against six local redis-servers started with the StatefulSet's
+    own args (as Kubernetes expands them; only the port, paths and hostname are local): it
+    waits for nodes that answer the password, forms 3 masters with a replica each whose
+    slot map names hostnames, and on a second run changes nothing."""
+    import redis as redis_py
+    from bench.harness.redis_servers import RedisProcess
+
+    docs = _docs("redis-cluster.yaml")
+    password = "cluster-job-test-password"
+    args = [_k8s_expand(a, {"POD_NAME": "localhost", "REDIS_PASSWORD": password}).replace(
+        "localhost.iris-redis-cluster-nodes", "localhost") for a in _cluster_container(docs)["args"]]
+    assert args[args.index("--masterauth") + 1] == password
+    nodes: dict[int, RedisProcess] = {}
+    for _ in range(6):
+        port = _free_cluster_port(nodes)
+        local = list(args)  # the pod's paths, here: redis-server refuses a --dir that does not exist
+        local[local.index("--dir") + 1] = str(tmp_path)
+        local[local.index("--cluster-config-file") + 1] = str(tmp_path / f"nodes-{port}.conf")
+        nodes[port] = RedisProcess(port, *local)
+    job = _job_container(docs)
+    script = job["command"][-1]
+    assert job["command"][:2] == ["sh", "-c"]
+
+    def run_job(auth, wait_s=60):
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "REDISCLI_AUTH": auth, "WAIT_S": str(wait_s),
+               "NODES": " ".join(f"localhost:{p}" for p in nodes)}
+        return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=180)
+
+    def client(port):
+        return redis_py.Redis(port=port, password=password, socket_timeout=5)
+
+    def state():
+        infos = [client(p).execute_command("CLUSTER INFO") for p in nodes]
+        ids = {p: client(p).execute_command("CLUSTER MYID") for p in nodes}
+        return infos, ids
+
+    try:
+        for node in nodes.values():
+            node.start()
+        wrong = run_job("not-the-password", wait_s=3)
+        assert wrong.returncode != 0 and "does not answer" in wrong.stderr, wrong
+        assert [info["cluster_known_nodes"] for info in state()[0]] == ["1"] * 6  # nothing formed
+
+        first = run_job(password)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        assert "cluster formed" in first.stdout
+        infos, ids = state()
+        assert [(i["cluster_state"], i["cluster_known_nodes"], i["cluster_size"]) for i in infos] == \
+            [("ok", "6", "3")] * 6, infos   # (CLUSTER INFO's values come back as strings)
+        listed = client(next(iter(nodes))).execute_command("CLUSTER NODES")
+        roles = sorted("master" if "master" in n["flags"] else "slave" for n in listed.values())
+        assert roles == ["master"] * 3 + ["slave"] * 3, listed
+        slots = client(next(iter(nodes))).execute_command("CLUSTER SLOTS")
+        # [start, end, [endpoint, port, id, ...] of the master, ...]: hostnames, not IPs
+        assert len(slots) >= 3 and {bytes(s[2][0]) for s in slots} == {b"localhost"}, slots
+
+        second = run_job(password)
+        assert second.returncode == 0, second.stderr
+        assert "nothing to do" in second.stdout and "cluster formed" not in second.stdout
+        again_infos, again_ids = state()
+        assert again_ids == ids
+        assert [i["cluster_current_epoch"] for i in again_infos] == [i["cluster_current_epoch"] for i in infos]
+    finally:
+        for node in nodes.values():
+            node.kill()
 
 
 # ---- images: explicit versions, the one the Dockerfile is built with ----
