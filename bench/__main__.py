@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "compare": ("bench.compare", "Iris against Ray Serve LLM and `vllm serve`, side by side, in one run"),
     "autoscale": ("bench.autoscale", "Preprocess autoscaling watched under a load of 12 MP JPEGs"),
     "cache": ("bench.cache_bench", "feature-cache get/put latency and throughput per tier (L1, L2)"),
+    "feature-plane": ("bench.feature_plane", "one Redis against a Redis Cluster, bytes per image, a capacity model"),
     "soak": ("bench.soak", "Iris at saturation for minutes: RSS, TTLs, locks, errors"),
     "stage-timeline": ("bench.stage_timeline", "where one Iris request's milliseconds go, stage by stage"),
     "vision-vs-prefill": ("bench.vision_vs_prefill", "one image through preprocessing, the vision tower and "

@@ -351,8 +351,8 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
 
     from bench.__main__ import EXPERIMENTS, main
 
-    assert set(EXPERIMENTS) == {"compare", "autoscale", "cache", "soak", "stage-timeline", "vision-vs-prefill",
-                                "vllm"}
+    assert set(EXPERIMENTS) == {"compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
+                                "vision-vs-prefill", "vllm"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -371,7 +371,8 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
     assert main(["compare.py"]) == 2 and "no experiment 'compare.py'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["compare", "autoscale", "cache", "soak", "stage-timeline", "vision-vs-prefill"])
+@pytest.mark.parametrize("name", ["compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
+                                  "vision-vs-prefill"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -385,6 +386,7 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "autoscale": ["--model", "--before-s", "--load-s", "--load-clients", "--after-s", "--idle-max-s",
                              "--seed", "--num-cpus", "--name", "--out-dir", "--reanalyse"],
                "cache": ["--iters", "--redis-url", "--out"],
+               "feature-plane": ["--rounds", "--seconds", "--clients", "--out"],
                "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
                "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
                "vision-vs-prefill": ["--repeats", "--families", "--out"]}[name]
@@ -530,3 +532,20 @@ def test_results_readme_lists_exactly_the_files_that_exist():
     cited = {name for doc in docs if doc.exists()
              for name in re.findall(r"bench/results/([\w./-]+\.\w+)", doc.read_text())} - {"README.md"}
     assert cited and cited <= set(listed), cited - set(listed)
+
+
+def test_feature_plane_bench_runs_on_a_real_cluster(tmp_path):
+    """`python -m bench feature-plane`, briefly: both targets answer every call, fp32 features
+    weigh twice bf16's, and the capacity table follows from the measured GET rate."""
+    from bench import feature_plane
+
+    out = tmp_path / "fp.json"
+    feature_plane.main(["--rounds", "1", "--seconds", "0.3", "--clients", "2", "--out", str(out)])
+    run = json.loads(out.read_text())
+    (round_,) = run["rounds"]
+    assert all(round_[target][op] > 0 for target in ("single", "cluster") for op in ("put_per_s", "get_per_s"))
+    assert run["value_bytes"]["fp32_over_bf16"] == pytest.approx(2.0, abs=0.01)
+    llava = next(row for row in run["capacity"] if row["family"] == "LLaVA-1.5-7B")
+    assert llava["MB_per_image"] == 4.72
+    assert llava["images_per_s_per_shard"] == pytest.approx(round_["single"]["get_per_s"], rel=1e-3, abs=0.1)
+    assert out.with_suffix(".md").read_text().startswith("# Feature plane")

@@ -59,7 +59,7 @@ class RedisClusterProcesses:
         self.dir = Path(tempfile.mkdtemp(prefix="iris-redis-cluster-"))
         self.nodes: dict[int, RedisProcess] = {}
         for _ in range(masters * (1 + replicas)):
-            port = _free_node_port(exclude=self.nodes)
+            port = free_node_port(exclude=self.nodes)
             self.nodes[port] = RedisProcess(
                 port, "--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / f"nodes-{port}.conf"),
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
@@ -150,7 +150,7 @@ class RedisClusterProcesses:
 
 
 
-def _free_node_port(exclude) -> int:
+def free_node_port(exclude) -> int:
     """A port that is free with its cluster-bus port (port + 10000): the kernel's ephemeral
     ports are too high for that, so pick below them."""
     while True:
