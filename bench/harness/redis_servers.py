@@ -31,6 +31,7 @@ class RedisProcess:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            cwd=tempfile.gettempdir(),  # a replica's full sync writes an RDB file there, not in the checkout
         )
         deadline = time.monotonic() + 5
         while True:  # up once the port accepts connections
