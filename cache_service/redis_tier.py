@@ -223,6 +223,10 @@ class RedisTier:
             self._stats.l2_errors += 1
             self._shard_down(WHOLE, what, exc)
             return None
+        except Exception as exc:  # e.g. a slot no master covers: these keys are misses this time
+            self._stats.l2_errors += 1
+            self._log_error(what, exc)
+            return None
 
         async def pipeline(shard_keys: list[str]) -> list:
             async with self._client.pipeline(transaction=False) as pipe:

@@ -21,6 +21,7 @@ from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key
 from cache_service.validation import ValueCheck, stamp_fingerprint
+from redis.crc import key_slot
 from tests.cache_fixtures import assert_same_features, make_features
 from bench.harness.redis_servers import RedisClusterProcesses
 
@@ -211,3 +212,28 @@ async def test_slot_migration_under_load(cluster, caches):
     during = [hits for when, hits in load.calls if when >= started]
     assert len(during) >= 8 and all(hits == set(KEYS) for hits in during), \
         [len(hits) for hits in during if hits != set(KEYS)]
+
+
+async def test_a_slot_no_master_covers_is_a_miss_not_an_error(cluster, caches):
+    key = content_key(FP, b"uncovered", namespace="cluster")
+    port, slot = cluster.port_of_key(key), key_slot(key.encode())
+    for node in cluster.nodes:  # every node forgets the slot's owner
+        cluster.client(node).execute_command("CLUSTER DELSLOTS", slot)
+    try:
+        reader = caches(cluster)
+        assert await reader.get_many([key]) == [None]
+        assert await reader.contains_many([key]) == [False]
+        assert reader.stats()["l2_errors"] >= 1 and reader.redis_available
+    finally:
+        cluster.client(port).execute_command("CLUSTER ADDSLOTS", slot)
+        cluster.wait_until(lambda: all(cluster.client(n).execute_command("CLUSTER COUNTKEYSINSLOT", slot) is not None
+                                       and _owner(cluster, n, slot) == port for n in cluster.nodes), 30,
+                           "the slot did not come back")
+
+
+def _owner(cluster, node: int, slot: int) -> int | None:
+    """The port of the master that owns `slot` in `node`'s view."""
+    for address, n in cluster.client(node).execute_command("CLUSTER NODES").items():
+        if "master" in n["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"]):
+            return int(address.split("@")[0].rsplit(":", 1)[1])
+    return None
