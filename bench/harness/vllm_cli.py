@@ -12,6 +12,7 @@ With the CUDA `vllm` wheel, `vllm bench serve ...` works directly as well.
 """
 
 import importlib.metadata
+import os
 import sys
 
 _version = importlib.metadata.version
@@ -28,6 +29,13 @@ def _version_with_cpu_wheel(name: str) -> str:
 
 def main(argv: list[str]) -> int:
     """Runs `vllm ARGV...` in this process (it takes over the process's arguments)."""
+    try:
+        _version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        # The CPU wheel. vLLM tells its CPU build by "cpu" in the version of "vllm", which the
+        # lookup below cannot give, so say it outright: else vLLM loads the kernels of its
+        # default build (AVX-512 with bf16), and the process dies of SIGILL on a CPU without them.
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     importlib.metadata.version = _version_with_cpu_wheel
     from vllm.entrypoints.cli.main import main as vllm_main
 
