@@ -1,5 +1,5 @@
 """Session-wide fixtures: built-in tiny checkpoints (built fresh each run), one Ray
-cluster with Serve for the app tests and the pool of Iris apps on it."""
+cluster of two nodes with Serve for the app tests and the pool of Iris apps on it."""
 
 from __future__ import annotations
 
@@ -76,17 +76,37 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def serve_instance():
-    """Ray with logical CPUs above the physical two, and Serve's proxy on a free port."""
+def ray_dashboard():
+    """Ray as two nodes on this machine, as a cluster of CPU nodes and accelerator nodes is: the
+    head (custom resource CPU_NODE) and a second raylet with its own object store
+    (ACCELERATOR_NODE), each with logical CPUs above the physical two. Yields the dashboard's
+    URL (Serve's replica details: GET /api/serve/applications/). Replicas that name no resource
+    spread over both nodes; tests/test_serving_affinity.py places the stages by resources."""
     import ray
+    from ray.cluster_utils import Cluster
+
+    from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
+
+    dashboard_port = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "resources": {CPU_NODE: 1000}, "object_store_memory": 3 << 30,
+        "include_dashboard": True, "dashboard_port": dashboard_port})
+    cluster.add_node(num_cpus=8, resources={ACCELERATOR_NODE: 1000}, object_store_memory=3 << 30)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield f"http://127.0.0.1:{dashboard_port}"
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_instance(ray_dashboard):
+    """Serve on the session's Ray cluster, its proxy on the head only, on a free port."""
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,21 +1,31 @@
 """Two LLMDecode replicas behind ImageAffinityRouter, deployed from serve_config.yaml
 itself (so the router is loaded from its `request_router_class` string): every
 repeat of an image reaches the replica that prefilled it (prefix-cache hit).
-Costs two vLLM engines (~9 GB); kept in its own module so the app lives only here."""
+
+The stages are placed on the session's two Ray nodes by the config alone, as on a cluster of
+CPU and GPU nodes: Ingress and Preprocess on the CPU node, VisionEncoder and LLMDecode on the
+accelerator node (custom resources standing for the GPUs), so pixels and features cross nodes
+through the object store and Redis. Costs two vLLM engines (~9 GB); kept in its own module so
+the app lives only here."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import ray
 import yaml
 from ray import serve
 
+from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
 from tests.support.images import REFERENCE_TEXT, data_url, unique_png
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "iris-affinity"
+PLACEMENT = {"Ingress": CPU_NODE, "Preprocess": CPU_NODE, "VisionEncoder": ACCELERATOR_NODE,
+             "LLMDecode": ACCELERATOR_NODE}
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +38,48 @@ def affinity_app(iris_apps, tiny_checkpoint):
     assert decode["request_router_config"]["request_router_class"].endswith(":ImageAffinityRouter")
     del decode["autoscaling_config"]
     decode["num_replicas"] = 2
+    for deployment in config["deployments"]:
+        node = PLACEMENT[deployment["name"]]
+        deployment["ray_actor_options"] = {**deployment.get("ray_actor_options", {}), "resources": {node: 1}}
     with iris_apps.use(APP, args, route_prefix="/affinity", config=config) as app:
         yield app.url
 
 
-def _chat(base: str, url: str) -> dict:
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": REFERENCE_TEXT}]}],
+def _chat(base: str, url: str | None, uuid: str | None = None, status: int = 200) -> dict:
+    part = {"type": "image_url", "image_url": None if url is None else {"url": url}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
             "max_tokens": 4, "temperature": 0}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
+    assert r.status_code == status, r.text
+    return r.json()["usage"] if status == 200 else r.json()
+
+
+def test_stages_run_on_the_nodes_the_config_names(affinity_app, ray_dashboard):
+    """Serve's own replica details (the dashboard's Serve API) say where each replica runs: the
+    config's resources alone put the CPU stages and the accelerator stages on different nodes."""
+    nodes = {resource: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+             for resource in (CPU_NODE, ACCELERATOR_NODE)}
+    assert nodes[CPU_NODE] != nodes[ACCELERATOR_NODE]
+    details = httpx.get(f"{ray_dashboard}/api/serve/applications/", timeout=60).json()
+    deployments = details["applications"][APP]["deployments"]
+    for name, resource in PLACEMENT.items():
+        replicas = [r for r in deployments[name]["replicas"] if r["state"] == "RUNNING"]
+        assert len(replicas) == 2 if name == "LLMDecode" else replicas, (name, deployments[name]["replicas"])
+        assert {r["node_id"] for r in replicas} == {nodes[resource]}, name
+
+
+def test_new_repeated_and_upload_free_images_across_the_nodes(affinity_app):
+    """Pixels go from the CPU node to the encoder on the accelerator node, features through
+    Redis and the object store to the decode replicas, and an upload-free request finds them."""
+    url, uuid = data_url(unique_png()), f"two-nodes-{time.time_ns()}"
+    first = _chat(affinity_app, url, uuid)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    again = _chat(affinity_app, None, uuid)  # upload-free: the uuid only
+    assert again["prompt_tokens"] == first["prompt_tokens"] and again["prompt_tokens_details"]["cached_tokens"] > 0
+    missing = _chat(affinity_app, None, f"{uuid}-never-sent", status=409)
+    assert missing["error"]["code"] == "mm_cache_miss"
 
 
 def test_two_replicas_both_run(affinity_app):

@@ -20,6 +20,9 @@ import httpx
 
 from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace
 
+# Custom resources of the session's two Ray nodes (conftest's serve_instance): what a real
+# cluster's CPU nodes and GPU nodes are told apart by, here on one machine.
+CPU_NODE, ACCELERATOR_NODE = "iris_cpu_node", "iris_accelerator_node"
 START_TIMEOUT_S = 600.0  # vLLM starts in ~40 s on an idle 2-core box, minutes under load
 
 
