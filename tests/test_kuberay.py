@@ -762,21 +762,6 @@ def test_broken_redis_cluster_policies_are_caught(break_it, expected):
     assert any(expected in p for p in problems), problems
 
 
-def _free_cluster_port(taken) -> int:
-    """A port free together with its cluster-bus port (port + 10000)."""
-    for port in range(21000 + 37 * len(taken), 30000, 7):
-        if port in taken or port + 10000 in taken or port - 10000 in taken:
-            continue
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
 @pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
                     reason="redis-server/redis-cli not installed (.ci/run installs them)")
 def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
@@ -785,7 +770,7 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
     waits for nodes that answer the password, forms 3 masters with a replica each whose
     slot map names hostnames, and on a second run changes nothing."""
     import redis as redis_py
-    from bench.harness.redis_servers import RedisProcess
+    from bench.harness.redis_servers import RedisProcess, free_node_port
 
     docs = _docs("redis-cluster.yaml")
     password = "cluster-job-test-password"
@@ -794,7 +779,7 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
     assert args[args.index("--masterauth") + 1] == password
     nodes: dict[int, RedisProcess] = {}
     for _ in range(6):
-        port = _free_cluster_port(nodes)
+        port = free_node_port(exclude=nodes)
         local = list(args)  # the pod's paths, here: redis-server refuses a --dir that does not exist
         local[local.index("--dir") + 1] = str(tmp_path)
         local[local.index("--cluster-config-file") + 1] = str(tmp_path / f"nodes-{port}.conf")
