@@ -100,7 +100,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
     from bench import compare
 
     args = compare.parse_args(["--model", "builtin:tiny-llava", "--systems", "iris", "--replicas", "1",
-                               "--points", "unique-c1,repeat-c1,upload_free-c4,random_mm-c4",
+                               "--points", "unique-c1,repeat-c1,zipf-c4,upload_free-c4,random_mm-c4",
                                "--scale", "0.25", "--eager", "--out-dir", str(tmp_path), "--name", "smoke"])
     run = compare.run_comparison(args, "pytest smoke")
     saved = json.loads((tmp_path / "smoke.json").read_text())
@@ -109,7 +109,7 @@ def test_quick_run_against_tiny_iris(tmp_path):
     assert [s.get("error") for s in saved["starts"]] == [None]
     assert saved["starts"][0]["warm_up"]["failed"] == 0, saved["starts"][0]["warm_up"]
     results = {r["point"]: r for r in saved["results"]}
-    assert set(results) == {"unique-c1", "repeat-c1", "upload_free-c4", "random_mm-c4"}
+    assert set(results) == {"unique-c1", "repeat-c1", "zipf-c4", "upload_free-c4", "random_mm-c4"}
     for point, r in results.items():
         assert "summary" in r, (point, r.get("skipped"))
         s = r["summary"]

