@@ -41,7 +41,9 @@ def main() -> None:
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema.model_validate(yaml.safe_load(open(args.config)))
-    ray.init(num_cpus=args.num_cpus, namespace="serve", include_dashboard=False, log_to_driver=False,
+    # address="local": a Ray instance of its own, even where RAY_ADDRESS names another (a test
+    # session's cluster): each system under test runs alone.
+    ray.init(address="local", num_cpus=args.num_cpus, namespace="serve", include_dashboard=False, log_to_driver=False,
              _metrics_export_port=args.metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
