@@ -26,7 +26,7 @@ from bench.harness.client import LoadClient
 from bench.harness.metrics import parse
 from bench.harness.workloads import ImageSpec, WorkloadFactory
 from tests.cache_fixtures import private_redis
-from tests.support.apps import running_app
+from tests.support.apps import metrics_text, running_app
 from tests.support.sse import sse_events
 
 APP = "iris-faults"
@@ -135,10 +135,7 @@ def _replica_processes(deployment: str) -> list[psutil.Process]:
 
 
 def _scrape_metrics() -> list:
-    import ray
-
-    port = ray._private.worker._global_node.metrics_export_port
-    return parse(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    return parse(metrics_text())
 
 
 def _new_images(seed: int):

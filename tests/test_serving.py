@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from tests.support.apps import running_app
+from tests.support.apps import metrics_text, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.images import image_part as _image_part, unique_png as _unique_png
 from tests.support.sse import sse_events
@@ -309,18 +309,15 @@ def test_prometheus_metrics_are_exported(app):
     """Iris's metrics reach Ray's Prometheus endpoint (exported every few seconds)."""
     import time
 
-    import ray
-
     _, base, _ = app
     url = data_url(_unique_png())
     for _ in range(2):  # the second one hits the feature cache and vLLM's prefix cache
         assert _chat(base, [_image_part(url)]).status_code == 200
-    port = ray._private.worker.global_worker.node.metrics_export_port
     wanted = ["iris_requests", "iris_ttft_seconds", "iris_images", "iris_feature_cache_events",
               "iris_preprocess_seconds", "iris_encoder_batch_size", "iris_vllm_prefix_cache_hit_tokens"]
     deadline = time.monotonic() + 60
     while True:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        text = metrics_text()
         missing = [name for name in wanted if name not in text]
         if not missing or time.monotonic() > deadline:
             break

@@ -206,3 +206,12 @@ class AppPool:
         """Stop the kept apps and wait until every app is deleted and its keys gone."""
         self.close()
         finish_deletions(wait=True)
+
+
+def metrics_text() -> str:
+    """Prometheus text of every live node of the session's Ray cluster: a replica's metrics are
+    served by the node it runs on."""
+    import ray
+
+    return "\n".join(httpx.get(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics", timeout=10).text
+                     for n in ray.nodes() if n["Alive"])
