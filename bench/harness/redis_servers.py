@@ -50,7 +50,6 @@ class RedisProcess:
             self.proc = None
 
 
-
 # Short enough that a failover happens within a test, long enough not to trip on a busy machine.
 NODE_TIMEOUT_MS = 2000
 
@@ -108,21 +107,21 @@ class RedisClusterProcesses:
                     for address, n in nodes.items()]
         raise RuntimeError("no live node")
 
-    def masters(self) -> list[int]:
-        """Ports of the live masters that own slots."""
-        return sorted(n["port"] for n in self.cluster_nodes()
+    def masters(self, nodes: list[dict] | None = None) -> list[int]:
+        """Ports of the live masters that own slots (of `nodes`, else of CLUSTER NODES now)."""
+        return sorted(n["port"] for n in (nodes or self.cluster_nodes())
                       if "master" in n["flags"] and "fail" not in n["flags"] and n["slots"])
 
     def healthy(self) -> bool:
         try:
             live = [p for p, n in self.nodes.items() if n.proc is not None]
             infos = [self.client(p).execute_command("CLUSTER INFO") for p in live]
-            masters = self.masters()
+            nodes = self.cluster_nodes()
         except (redis.RedisError, RuntimeError):
             return False
         ok = all(info["cluster_state"] == "ok" for info in infos)  # parsed by redis-py
-        replicas = [n for n in self.cluster_nodes() if "slave" in n["flags"] and "fail" not in n["flags"]]
-        return ok and len(masters) == len(live) - len(replicas) == len(self.nodes) // (1 + self.replicas)
+        replicas = [n for n in nodes if "slave" in n["flags"] and "fail" not in n["flags"]]
+        return ok and len(self.masters(nodes)) == len(live) - len(replicas) == len(self.nodes) // (1 + self.replicas)
 
     def replica_of(self, master_port: int) -> int:
         nodes = self.cluster_nodes()
@@ -148,7 +147,6 @@ class RedisClusterProcesses:
             if time.monotonic() > deadline:
                 raise TimeoutError(message)
             time.sleep(0.1)
-
 
 
 def free_node_port(exclude) -> int:
