@@ -27,7 +27,8 @@ class IrisError(Exception):
     """An error with an HTTP status and OpenAI's error fields.
 
     `extra` holds additional fields placed beside the standard ones in the
-    error object (e.g. `missing: [0, 2]` for a 409 `mm_cache_miss`).
+    error object (e.g. `missing: [0, 2]` for a 409 `mm_cache_miss`); `headers`,
+    HTTP headers the response carries (e.g. `Retry-After` for a 429).
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class IrisError(Exception):
         param: str | None = None,
         code: str | None = None,
         extra: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -49,6 +51,7 @@ class IrisError(Exception):
         self.param = param
         self.code = code
         self.extra = dict(extra or {})
+        self.headers = dict(headers or {})  # HTTP headers of the response, e.g. Retry-After of a 429
         # The standard keys must win: extra fields only add, never overwrite.
         clash = set(self.extra) & {"message", "type", "param", "code"}
         if clash:
