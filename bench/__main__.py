@@ -17,6 +17,8 @@ EXPERIMENTS = {
     "cache": ("bench.cache_bench", "feature-cache get/put latency and throughput per tier (L1, L2)"),
     "feature-plane": ("bench.feature_plane", "one Redis against a Redis Cluster, bytes per image, a capacity model"),
     "soak": ("bench.soak", "Iris at saturation for minutes: RSS, TTLs, locks, errors"),
+    "tenants": ("bench.tenant_fairness", "two tenants, one flooding with large images: fair sharing against "
+                "first come, first served"),
     "stage-timeline": ("bench.stage_timeline", "where one Iris request's milliseconds go, stage by stage"),
     "vision-vs-prefill": ("bench.vision_vs_prefill", "one image through preprocessing, the vision tower and "
                           "vLLM's prefill"),

@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import functools
 import json
 import statistics
-import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import report, results, systems
 from bench.harness.client import LoadClient, RequestRecord, warm_up
 from bench.harness.stats import percentile
-from bench.harness.workloads import Conversation, ImageSpec, Turn, Workload, WorkloadFactory
+from bench.harness.workloads import WorkloadFactory, jpeg_body_b64, large_image_workload
 
 SCALED = "Preprocess"
 # Bench-only: react within seconds instead of Serve's defaults (30 s up, 600 s down, 30 s look-back).
@@ -52,49 +48,6 @@ PREPROCESS_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_
 # Handles and replicas report their queue lengths to the controller every 10 s by default.
 AUTOSCALING_ENV = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
                    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
-
-
-# ---------------------------------------------------------------- images
-
-@dataclass(frozen=True)
-class RelabelledJpeg:
-    """A pool photo's JPEG with a comment segment (COM) naming `label` right after the SOI marker.
-
-    The same pixels under new bytes: a new image to Iris, whose keys hash the bytes, at the same
-    decoding cost, without drawing and encoding a new 12 MP photo per request on the cores the
-    server needs. (A system that hashes pixels, as vLLM does, would see a repeat: this is for
-    Iris's own runs.)"""
-
-    base: ImageSpec
-    label: int
-    uuid = None  # read by workloads.chat_messages
-
-    @property
-    def data_url(self) -> str:
-        # base64(a + b) == base64(a) + base64(b) when len(a) is a multiple of 3: the segment is sized so.
-        payload = f"iris-autoscale {self.label}".encode()
-        payload += b" " * (-(len(payload) + 6) % 3)
-        head = b"\xff\xd8\xff\xfe" + struct.pack(">H", len(payload) + 2) + payload
-        return "data:image/jpeg;base64," + base64.b64encode(head).decode() + _jpeg_body_b64(self.base)
-
-
-@functools.lru_cache(maxsize=64)
-def _jpeg_body_b64(base: ImageSpec) -> str:
-    """base64 of the photo's JPEG after its 2-byte SOI marker."""
-    data = base64.b64decode(base.data_url.split(",", 1)[1])
-    assert data[:2] == b"\xff\xd8", "not a JPEG"
-    return base64.b64encode(data[2:]).decode()
-
-
-def large_image_workload(factory: WorkloadFactory, n: int, first_label: int, pool: int = 8) -> Workload:
-    """n one-turn requests, each with a new 4000x3000 JPEG (the `large` workload's photos, relabelled)."""
-    photos = factory.large(pool)
-    convs = []
-    for i in range(n):
-        turn = photos.conversations[i % pool].turns[0]
-        convs.append(Conversation([Turn(turn.text, RelabelledJpeg(turn.image, first_label + i))]))
-    return Workload("large_relabelled", convs, factory.max_tokens,
-                    f"a new 4000x3000 JPEG every request ({pool} photos, each request's bytes unique)")
 
 
 # ---------------------------------------------------------------- timeline analysis (pure)
@@ -327,7 +280,7 @@ def main(argv: list[str]) -> None:
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))
     factory = WorkloadFactory(args.seed, max_tokens=16)
     for conv in factory.large(8).conversations:  # draw the photos now, not during the first phase
-        _jpeg_body_b64(conv.turns[0].image)
+        jpeg_body_b64(conv.turns[0].image)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-autoscale-"))
     status_log = log_dir / "replicas.jsonl"
     out_dir = Path(args.out_dir)

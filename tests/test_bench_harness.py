@@ -178,7 +178,7 @@ def test_relabelled_jpeg_is_new_bytes_with_the_same_pixels():
     import numpy as np
     from PIL import Image
 
-    from bench.autoscale import RelabelledJpeg
+    from bench.harness.workloads import RelabelledJpeg
     from bench.harness.workloads import ImageSpec
 
     base = ImageSpec(5, 64, 48)
@@ -352,7 +352,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
     from bench.__main__ import EXPERIMENTS, main
 
     assert set(EXPERIMENTS) == {"compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                "vision-vs-prefill", "vllm"}
+                                "tenants", "vision-vs-prefill", "vllm"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -372,7 +372,7 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
 
 
 @pytest.mark.parametrize("name", ["compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                  "vision-vs-prefill"])
+                                  "tenants", "vision-vs-prefill"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -389,6 +389,7 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "feature-plane": ["--rounds", "--seconds", "--clients", "--out"],
                "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
                "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
+               "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
                "vision-vs-prefill": ["--repeats", "--families", "--out"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
@@ -549,3 +550,21 @@ def test_feature_plane_bench_runs_on_a_real_cluster(tmp_path):
     assert llava["MB_per_image"] == 4.72
     assert llava["images_per_s_per_shard"] == pytest.approx(round_["single"]["get_per_s"], rel=1e-3, abs=0.1)
     assert out.with_suffix(".md").read_text().startswith("# Feature plane")
+
+
+def test_tenant_fairness_report_takes_the_median_of_per_round_ratios():
+    from bench.tenant_fairness import markdown, summarise
+
+    def mode(alone, flood, rate):
+        return {"alone": {"b_ttft_p50_ms": alone}, "flood": {"b_ttft_p50_ms": flood, "a_images_per_s": rate}}
+
+    rounds = [{"fair": mode(40, f, 2.0), "fifo": mode(41, 400, 2.1), "b_flood_fair_over_fifo": f / 400}
+              for f in (100, 300, 120)]
+    summary = summarise(rounds)
+    assert summary["b_flood_fair_over_fifo"] == {"median": 0.3, "min": 0.25, "max": 0.75}
+    assert summary["b_flood_fifo_p50_ms"]["median"] == 400 and summary["a_images_per_s_fifo"]["median"] == 2.1
+    summary["target_met"] = True
+    run = {"summary": summary, "rounds": rounds, "machine": "test box", "model": "m", "commit": "abc",
+           "flood_clients": 8, "b_px": 256, "b_requests": 8}
+    text = markdown(run)
+    assert "**0.30** (0.25-0.75)" in text and "| under A's flood | 120 (100-300) | 400 (400-400) |" in text

@@ -56,9 +56,10 @@ class _Answer:
 
 
 class LoadClient:
-    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600):
+    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600, headers: dict | None = None):
         self.base_urls = base_urls
         self.model = model
+        self.headers = headers or {}  # on every request (e.g. Authorization: Bearer <a tenant's key>)
         self._next_url = itertools.cycle(base_urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
@@ -68,7 +69,7 @@ class LoadClient:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         url = f"{next(self._next_url)}/v1/chat/completions"
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, headers=self.headers) as response:
             if response.status != 200:
                 return _Answer(response.status, error=(await response.text())[:300])
             answer = _Answer(200)

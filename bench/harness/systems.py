@@ -130,11 +130,13 @@ def delete_namespace(client, namespace: str) -> None:
 
 
 def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str,
-                affinity_router: bool = True, deployments: dict[str, dict] | None = None) -> dict:
+                affinity_router: bool = True, deployments: dict[str, dict] | None = None,
+                app_args: dict | None = None) -> dict:
     """serve_config.yaml as shipped, pointed at the checkpoint, with `replicas` decode replicas.
 
     affinity_router=False removes LLMDecode's `request_router_config` (Serve's default router);
-    `deployments` overrides settings per deployment name (e.g. a bench-only autoscaling_config)."""
+    `deployments` overrides settings per deployment name (e.g. a bench-only autoscaling_config);
+    `app_args` overrides application args (top-level keys, e.g. fair_sharing)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
@@ -148,6 +150,7 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
+    args.update(copy.deepcopy(app_args or {}))
     for deployment in app["deployments"]:
         if deployment["name"] == "LLMDecode":
             deployment["autoscaling_config"] = {**deployment.get("autoscaling_config", {}),
@@ -220,9 +223,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
           deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-          status_log: Path | None = None) -> RunningSystem:
+          status_log: Path | None = None, args: dict | None = None) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
-    deployment (iris_config), `env` is added to the runner's environment (so to its Ray cluster's),
+    deployment and `args` application args (iris_config), `env` is added to the runner's environment (so to its Ray cluster's),
     and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
@@ -235,7 +238,7 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     if name.startswith("iris"):
         namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
         config = iris_config(engine, replicas, port, cache=name != "iris-nocache", namespace=namespace,
-                             affinity_router=name != "iris-defaultrouter", deployments=deployments)
+                             affinity_router=name != "iris-defaultrouter", deployments=deployments, app_args=args)
         config["applications"][0]["runtime_env"]["env_vars"].update(env or {})
     else:
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")

@@ -13,6 +13,8 @@ demand, so a spec is cheap to hold and its bytes are identical on every run.
                  resends the same uuid with the bytes
     repeat       the same image every request, a new question each time
     large        new ~12 MP JPEG photos (4000x3000)
+    large_image_workload  new bytes every request from a pool of 12 MP photos (same pixels,
+                 relabelled): new to Iris's byte-hash keys at the decoding cost of a photo
     text         no image, a prompt of about the same length as the others' text
     text_as_image  no image, a prompt as long as an image prompt in tokens (the
                  baseline a cached image's TTFT is held against)
@@ -28,6 +30,7 @@ import functools
 import hashlib
 import io
 import random
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -272,6 +275,47 @@ class WorkloadFactory:
                                for t in range(turns)]) for c in range((n + turns - 1) // turns)]
         return Workload("video_multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one clip",
                         {"turns": turns})
+
+
+@dataclass(frozen=True)
+class RelabelledJpeg:
+    """A pool photo's JPEG with a comment segment (COM) naming `label` right after the SOI marker.
+
+    The same pixels under new bytes: a new image to Iris, whose keys hash the bytes, at the same
+    decoding cost, without drawing and encoding a new 12 MP photo per request on the cores the
+    server needs. (A system that hashes pixels, as vLLM does, would see a repeat: this is for
+    Iris's own runs.)"""
+
+    base: ImageSpec
+    label: int
+    uuid = None  # read by workloads.chat_messages
+
+    @property
+    def data_url(self) -> str:
+        # base64(a + b) == base64(a) + base64(b) when len(a) is a multiple of 3: the segment is sized so.
+        payload = f"iris-autoscale {self.label}".encode()
+        payload += b" " * (-(len(payload) + 6) % 3)
+        head = b"\xff\xd8\xff\xfe" + struct.pack(">H", len(payload) + 2) + payload
+        return "data:image/jpeg;base64," + base64.b64encode(head).decode() + jpeg_body_b64(self.base)
+
+
+@functools.lru_cache(maxsize=64)
+def jpeg_body_b64(base: ImageSpec) -> str:
+    """base64 of the photo's JPEG after its 2-byte SOI marker."""
+    data = base64.b64decode(base.data_url.split(",", 1)[1])
+    assert data[:2] == b"\xff\xd8", "not a JPEG"
+    return base64.b64encode(data[2:]).decode()
+
+
+def large_image_workload(factory: WorkloadFactory, n: int, first_label: int, pool: int = 8) -> Workload:
+    """n one-turn requests, each with a new 4000x3000 JPEG (the `large` workload's photos, relabelled)."""
+    photos = factory.large(pool)
+    convs = []
+    for i in range(n):
+        turn = photos.conversations[i % pool].turns[0]
+        convs.append(Conversation([Turn(turn.text, RelabelledJpeg(turn.image, first_label + i))]))
+    return Workload("large_relabelled", convs, factory.max_tokens,
+                    f"a new 4000x3000 JPEG every request ({pool} photos, each request's bytes unique)")
 
 
 def image_prompt_chars(checkpoint: str, small_px: int) -> int:
