@@ -467,6 +467,48 @@ def test_results_are_saved_only_with_provenance_and_reports_say_the_machine(tmp_
     assert "NVIDIA H200" in timeline
 
 
+def test_report_gives_whole_answer_latency_and_output_tokens_per_second_with_ratios():
+    """End-to-end latency p50/p90 and output tokens/s for every point, beside TTFT and TPOT, and
+    their Iris / peer ratios, in the summaries, the ratios and the Markdown."""
+    from bench.harness import report
+    from bench.harness.client import RequestRecord
+
+    def records(ttft_s: float, latency_s: float, tokens: int, n: int = 4) -> list[RequestRecord]:
+        ok = [RequestRecord(i, 0, 0.0, True, 200, ttft_s, latency_s * (1 + i / 10), tokens) for i in range(n)]
+        return ok + [RequestRecord(n, 0, 0.0, False, 500, error="boom")]  # a failure counts no tokens
+
+    iris = report.summarize(records(0.05, 1.0, 64), 2.0, 4, None)
+    peer = report.summarize(records(0.10, 2.0, 64), 4.0, 4, None)
+    assert iris["output_tokens_per_s"] == pytest.approx(4 * 64 / 2.0)
+    assert iris["latency_ms"]["p50"] == pytest.approx(1150.0) and iris["latency_ms"]["p90"] == pytest.approx(1270.0)
+    assert iris["request_output_tokens_per_s"]["p50"] == pytest.approx(statistics.median(
+        [64 / (1 + i / 10) for i in range(4)]))
+    assert iris["failed"] == 1 and iris["tpot_ms"]["p50"] == pytest.approx((1150 - 50) / 63)
+    assert report.summarize([], 0.0, 0, None)["output_tokens_per_s"] is None
+
+    results = [{"system": s, "replicas": 1, "point": "unique-c1", "summary": summary}
+               for s, summary in (("iris", iris), ("vllm", peer))]
+    (row,) = report.ratios(results)
+    assert row["peer"] == "vllm"
+    assert row["latency_p50"] == pytest.approx(0.5) and row["latency_p90"] == pytest.approx(0.5)
+    assert row["output_tokens_per_s"] == pytest.approx(2.0) and row["ttft_p50"] == pytest.approx(0.5)
+    # Summaries saved before the whole-answer figures existed still give the other ratios.
+    old = {k: v for k, v in peer.items() if k not in ("latency_ms", "output_tokens_per_s")}
+    (old_row,) = report.ratios([results[0], {**results[1], "summary": old}])
+    assert old_row["latency_p50"] is None and old_row["output_tokens_per_s"] is None and old_row["ttft_p50"]
+
+    machine = {"cpus": 2, "cpus_usable": 2, "memory_gib": 24.0, "gpus": [], "platform": "Linux", "arch": "x86_64",
+               "python": "3.11", "description": "2-CPU x86_64 machine with 24 GiB, no GPU"}
+    md = report.markdown({"commit": "abc", "command": "c", "started": "now", "machine": machine, "model": "m",
+                          "duration_s": 60, "systems": ["iris", "vllm"], "results": results,
+                          "ratios": [row]})
+    assert "| unique-c1 | 50 / 50 / 2.0 (1 failed) | 100 / 100 / 1.0 (1 failed) |" in md  # the TTFT table as before
+    assert "| unique-c1 | 1150 / 1270 / 17.5 / 128.0 | 2300 / 2540 / 34.9 / 64.0 |" in md
+    assert ("| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |"
+            in md)
+    assert "| unique-c1 | vllm | 0.50 | 0.50 | 0.50 | 0.50 | 0.50 | 2.00 | 2.00 |" in md
+
+
 def test_percentile_interpolates_between_ranks():
     import numpy as np
 

@@ -18,12 +18,17 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
               counters: Counters | None) -> dict:
     ok = [r for r in records if r.ok]
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    output_tokens = sum(r.output_tokens for r in ok)
     summary = {
         "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok),
         "duration_s": duration_s, "req_per_s": len(ok) / duration_s if duration_s else None,
         "ttft_ms": distribution([r.ttft_s for r in ok], 1000),
         "latency_ms": distribution([r.latency_s for r in ok], 1000),
         "tpot_ms": distribution(tpot, 1000),
+        # Whole answers: output tokens of the requests that succeeded per second of the load point,
+        # and each request's own rate (its output tokens over its end-to-end latency).
+        "output_tokens_per_s": output_tokens / duration_s if duration_s else None,
+        "request_output_tokens_per_s": distribution([r.output_tokens / r.latency_s for r in ok if r.latency_s]),
         "output_tokens_mean": statistics.fmean(r.output_tokens for r in ok) if ok else None,
         "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
         "resent": sum(r.resent for r in records),
@@ -63,11 +68,19 @@ def ratios(results: list[dict]) -> list[dict]:
                 continue
             a, b = iris["summary"], other["summary"]
             rows.append({"point": point, "replicas": replicas, "peer": peer,
-                         "ttft_p50": _ratio(a["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
-                         "ttft_p90": _ratio(a["ttft_ms"]["p90"], b["ttft_ms"]["p90"]),
-                         "tpot_p50": _ratio(a["tpot_ms"]["p50"], b["tpot_ms"]["p50"]),
-                         "req_per_s": _ratio(a["req_per_s"], b["req_per_s"])})
+                         "ttft_p50": _ratio(_get(a, "ttft_ms", "p50"), _get(b, "ttft_ms", "p50")),
+                         "ttft_p90": _ratio(_get(a, "ttft_ms", "p90"), _get(b, "ttft_ms", "p90")),
+                         "tpot_p50": _ratio(_get(a, "tpot_ms", "p50"), _get(b, "tpot_ms", "p50")),
+                         "latency_p50": _ratio(_get(a, "latency_ms", "p50"), _get(b, "latency_ms", "p50")),
+                         "latency_p90": _ratio(_get(a, "latency_ms", "p90"), _get(b, "latency_ms", "p90")),
+                         "req_per_s": _ratio(a.get("req_per_s"), b.get("req_per_s")),
+                         "output_tokens_per_s": _ratio(a.get("output_tokens_per_s"), b.get("output_tokens_per_s"))})
     return rows
+
+
+def _get(summary: dict, metric: str, stat: str):
+    """summary[metric][stat], None where it was not measured (results saved before it was)."""
+    return (summary.get(metric) or {}).get(stat)
 
 
 def _ratio(a, b):
@@ -88,7 +101,10 @@ def markdown(run: dict) -> str:
              f"Figures from a {machine['description']}; commit `{run['commit']}`; {run['started']}; "
              f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
              "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
-             "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", ""]
+             "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", "",
+             "Whole answers (the second table of each section): p50 end-to-end latency ms / p90 end-to-end ms / "
+             "p50 TPOT ms / output tokens per second (output tokens of the requests that succeeded over the "
+             "point's duration).", ""]
     for replicas in sorted({r["replicas"] for r in results}):
         lines += [f"## {replicas} decode replica{'s' if replicas > 1 else ''}", "",
                   "| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
@@ -106,14 +122,32 @@ def markdown(run: dict) -> str:
                 cells.append(cell)
             if any(cells):
                 lines.append(f"| {point} | " + " | ".join(cells) + " |")
+        lines += ["", "Whole answers: p50 e2e ms / p90 e2e ms / p50 TPOT ms / output tok/s", "",
+                  "| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+        for point in points:
+            cells = []
+            for system in systems:
+                r = index.get((system, replicas, point))
+                if r is None:
+                    cells.append("")
+                    continue
+                s = r["summary"]
+                cells.append(f"{_fmt(_get(s, 'latency_ms', 'p50'))} / {_fmt(_get(s, 'latency_ms', 'p90'))} / "
+                             f"{_fmt(_get(s, 'tpot_ms', 'p50'), 1)} / {_fmt(s.get('output_tokens_per_s'), 1)}")
+            if any(cells):
+                lines.append(f"| {point} | " + " | ".join(cells) + " |")
         lines.append("")
         rows = [x for x in run["ratios"] if x["replicas"] == replicas]
         if rows:
-            lines += ["Iris / peer, same run (below 1 is Iris faster for TTFT/TPOT, above 1 is Iris faster for req/s):", "",
-                      "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | req/s |", "|---|---|---|---|---|---|"]
+            lines += ["Iris / peer, same run (below 1 is Iris faster for TTFT, TPOT and end-to-end latency; above 1 "
+                      "is Iris faster for req/s and output tok/s):", "",
+                      "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for x in rows:
                 lines.append(f"| {x['point']} | {x['peer']} | {_fmt(x['ttft_p50'], 2)} | {_fmt(x['ttft_p90'], 2)} | "
-                             f"{_fmt(x['tpot_p50'], 2)} | {_fmt(x['req_per_s'], 2)} |")
+                             f"{_fmt(x['tpot_p50'], 2)} | {_fmt(x.get('latency_p50'), 2)} | "
+                             f"{_fmt(x.get('latency_p90'), 2)} | {_fmt(x['req_per_s'], 2)} | "
+                             f"{_fmt(x.get('output_tokens_per_s'), 2)} |")
             lines.append("")
     lines += ["## Encoder runs per distinct image, prefix-cache hit rate per replica", "",
               "Iris counts its VisionEncoder's computations; the vLLM-based peers, their multimodal "
