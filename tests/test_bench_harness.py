@@ -227,6 +227,53 @@ def test_the_ray_serve_llm_peer_builds_in_this_environment():
     assert isinstance(getattr(importlib.import_module(module), name)(app["args"]), Application)
 
 
+def test_gpu_configs_ask_for_the_gpu_and_cpu_ones_do_not():
+    """EngineSettings(gpu=True), as `python -m bench gpu` starts the systems: Iris's VisionEncoder and
+    LLMDecode share one GPU (fractions adding up to one, so one GPU holds the app), Ray Serve LLM's
+    placement group holds a GPU, `vllm serve` gets the same memory share; the CPU configs ask for none."""
+    from ray.serve import Application
+    from ray.serve.llm import build_openai_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from bench.harness import systems
+    from deployments.config import IrisConfig
+
+    cpu = systems.EngineSettings("/ckpt", "bfloat16")
+    gpu = systems.EngineSettings("/ckpt", "bfloat16", gpu=True, gpu_memory_utilization=0.8)
+    iris = systems.iris_config(gpu, 1, 8000, cache=True, namespace="x")
+    actors = {d["name"]: d["ray_actor_options"] for d in iris["applications"][0]["deployments"]}
+    assert actors["VisionEncoder"]["num_gpus"] == 0.2 and actors["LLMDecode"]["num_gpus"] == 0.8
+    assert sum(a.get("num_gpus", 0) for a in actors.values()) == 1.0  # one replica each: one GPU
+    assert "num_gpus" not in actors["Ingress"] and "num_gpus" not in actors["Preprocess"]
+    # Every replica at its maximum fits the runner's 8 logical CPUs (bench/harness/serve_runner.py).
+    deployments = iris["applications"][0]["deployments"]
+    assert sum(d["ray_actor_options"]["num_cpus"] * d["autoscaling_config"]["max_replicas"] for d in deployments) <= 8
+    assert iris["applications"][0]["args"]["engine_args"]["gpu_memory_utilization"] == 0.8
+    ServeDeploySchema.model_validate(iris)  # as serve_runner reads it
+    IrisConfig.model_validate(iris["applications"][0]["args"])  # as the app reads its args
+    on_cpu = systems.iris_config(cpu, 1, 8000, cache=True, namespace="x")
+    assert not any("num_gpus" in d["ray_actor_options"] for d in on_cpu["applications"][0]["deployments"])
+    assert "gpu_memory_utilization" not in on_cpu["applications"][0]["args"]["engine_args"]
+    # Apart from the GPU lines, the app is the one of CPU runs.
+    for d in on_cpu["applications"][0]["deployments"]:
+        d["ray_actor_options"].update(systems.IRIS_GPU_ACTORS.get(d["name"], {}))
+    on_cpu["applications"][0]["args"]["engine_args"]["gpu_memory_utilization"] = 0.8
+    assert on_cpu == iris
+
+    rayllm = systems.rayllm_config(gpu, 1, 8000, affinity=False)["applications"][0]["args"]
+    (llm,) = rayllm["llm_configs"]
+    assert llm["placement_group_config"] == {"bundles": [{"CPU": 1, "GPU": 1}]}
+    assert llm["engine_kwargs"]["gpu_memory_utilization"] == 0.8
+    assert isinstance(build_openai_app(rayllm), Application)
+    (cpu_llm,) = systems.rayllm_config(cpu, 1, 8000, affinity=False)["applications"][0]["args"]["llm_configs"]
+    assert cpu_llm["placement_group_config"] == {"bundles": [{"CPU": 1}]}
+    assert "gpu_memory_utilization" not in cpu_llm["engine_kwargs"]
+
+    command = systems.vllm_command(gpu, 9000)
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.8"
+    assert "--gpu-memory-utilization" not in systems.vllm_command(cpu, 9000)
+
+
 def test_vllm_replicas_get_cores_of_their_own():
     from bench.harness.systems import vllm_cpu_binding
 

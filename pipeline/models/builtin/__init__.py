@@ -11,11 +11,24 @@ sizes of all (size -> `Spec`) are in BUILDERS below.
 - `tiny`: hidden size 128, 2 layers, small images; for tests.
 - `bench`: a realistically sized vision tower in front of a small language
   model, so vision work dominates time as in real deployments.
+- `7b` (LLaVA and Qwen2.5-VL): the real models' dimensions, bfloat16, random weights
+  (`python -m bench gpu` measures them on a GPU). LLaVA-1.5-7B: CLIP ViT-L/14 at 336 px
+  (1024 hidden, 24 layers, 16 heads, MLP 4096) + LLaMA-2-7B (4096 hidden, 32 layers, 32
+  heads, MLP 11008, vocabulary 32064): 7.06 B parameters, 14.1 GB. Qwen2.5-VL-7B: its ViT
+  (1280 hidden, 32 layers, 16 heads, MLP 3420, full attention in blocks 7, 15, 23, 31) + Qwen2
+  (3584 hidden, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocabulary 152064): 8.29 B
+  parameters, 16.6 GB. Only the tokenizer differs from the real ones: bytes, padded with tokens
+  no text encodes to, so prompts are longer in tokens than with the real tokenizers. The weights
+  are drawn in bfloat16 on a GPU where there is one (`fast_build`); then writing the safetensors
+  takes most of the time (estimated, not measured: no GPU machine was available when this was
+  written: 1–3 min each on a GPU machine with a local NVMe disk; on a CPU, several minutes more,
+  and 16 GB of memory beside the 15–17 GB written).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -42,13 +55,20 @@ QWEN2_SIZES = {  # Qwen2-VL and Qwen2.5-VL
     "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
     "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
 }
+# The real models' dimensions (their config.json: llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-7B-Instruct).
+LLAVA_1_5_7B = Spec(4096, 32, 32, 32, 1024, 24, 16, 336, 14, "bfloat16", text_intermediate=11008,
+                    vocab_size=32064, fast_build=True)
+QWEN2_5_VL_7B = Spec(3584, 28, 28, 4, 1280, 32, 16, 3584, 14, "bfloat16",  # 3584²: max_pixels 12845056
+                     text_intermediate=18944, vision_intermediate=3420, vocab_size=152064,
+                     vision_full_attention=(7, 15, 23, 31), fast_build=True)
 BUILDERS = {
     "llava": Builtin({
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
         "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
+        "7b": LLAVA_1_5_7B,
     }, llava.build),
     "qwen2_vl": Builtin(QWEN2_SIZES, qwen2_vl.build),
-    "qwen2_5_vl": Builtin(QWEN2_SIZES, qwen2_vl.build_2_5),
+    "qwen2_5_vl": Builtin({**QWEN2_SIZES, "7b": QWEN2_5_VL_7B}, qwen2_vl.build_2_5),
     "qwen3_vl": Builtin({
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
     }, qwen3_vl.build),
@@ -82,7 +102,7 @@ BUILDERS = {
 }
 FAMILIES = tuple(BUILDERS)
 SERVED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.served)
-SIZES = ("tiny", "bench")
+SIZES = ("tiny", "bench", "7b")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
 BUILDER_VERSION = 2  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images
@@ -100,13 +120,33 @@ def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
     if (family, size) not in available():
         raise ValueError(f"unknown built-in checkpoint {family}/{size}; choose one of {available()}")
     builtin = BUILDERS[family]
+    spec = builtin.specs[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    builtin.build(builtin.specs[size], out)
+    if spec.fast_build:
+        with drawing_weights(spec, "cuda" if torch.cuda.is_available() else "cpu"):
+            builtin.build(spec, out)
+    else:
+        builtin.build(spec, out)
     (out / "iris_builtin.json").write_text(json.dumps(
         {"family": family, "size": size, "builder_version": BUILDER_VERSION, "seed": SEED}, indent=2))
     return out
+
+
+@contextlib.contextmanager
+def drawing_weights(spec: Spec, device: str):
+    """Modules built inside are allocated on `device` in the checkpoint's dtype and initialised there
+    (device "meta": nothing allocated, for counting parameters)."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, spec.dtype))
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def main() -> None:

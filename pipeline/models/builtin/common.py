@@ -29,15 +29,38 @@ class Spec:
     image_size: int  # fixed-size towers: the input side; dynamic resolution: the side of max_pixels
     patch_size: int
     dtype: str
+    # Real-size checkpoints (families that read them: LLaVA, Qwen2-VL, Qwen2.5-VL); 0 / () is the default:
+    text_intermediate: int = 0  # the language model's MLP width; 0: 4 × text_hidden
+    vision_intermediate: int = 0  # the tower's MLP width; 0: 4 × vision_hidden
+    vocab_size: int = 0  # 0: the byte-level tokenizer's own (~260); more: padded to it (byte_level_tokenizer)
+    vision_full_attention: tuple[int, ...] = ()  # Qwen2.5-VL's full-attention blocks; (): the last one
+    # Draw the weights in `dtype` on a GPU where there is one (else on the CPU) instead of in float32
+    # on the CPU: a 7B model in minutes rather than most of an hour. Other weights than a CPU build's.
+    fast_build: bool = False
+
+    def text_mlp(self) -> int:
+        return self.text_intermediate or 4 * self.text_hidden
+
+    def vision_mlp(self) -> int:
+        return self.vision_intermediate or 4 * self.vision_hidden
 
 
-def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: str, **extra):
-    """A byte-level BPE tokenizer with the 256 byte symbols and no merges."""
+def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: str, vocab_size: int = 0,
+                         **extra):
+    """A byte-level BPE tokenizer with the 256 byte symbols and no merges. With `vocab_size`, padded
+    to that many tokens (special ones included) with 3-symbol tokens that no text encodes to (there
+    are no merges) but that decode to bytes like any other: a language model of a real model's
+    vocabulary (embedding and output layer at their real sizes) whose every output decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    padding = vocab_size - len(vocab) - len(special_tokens) if vocab_size else 0
+    if padding < 0 or padding >= 256 ** 3:
+        raise ValueError(f"vocab_size {vocab_size}: not between {len(vocab) + len(special_tokens)} and 256³")
+    for i in range(padding):
+        vocab[alphabet[i % 256] + alphabet[i // 256 % 256] + alphabet[i // 65536]] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

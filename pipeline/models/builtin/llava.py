@@ -30,16 +30,16 @@ def clip_llama(spec: Spec):
     """The tokenizer, its special ids, and the CLIP tower's and Llama's configs of the LLaVA family."""
     from transformers import CLIPVisionConfig, LlamaConfig
 
-    tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>")
+    tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>", vocab_size=spec.vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL}
     vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
+        hidden_size=spec.vision_hidden, intermediate_size=spec.vision_mlp(),
         num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
         image_size=spec.image_size, patch_size=spec.patch_size, projection_dim=spec.vision_hidden,
         initializer_range=INIT_RANGE,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
+        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp(),
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads, max_position_embeddings=4096,
         bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],

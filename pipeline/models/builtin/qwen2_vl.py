@@ -34,13 +34,14 @@ def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
     config_cls, model_cls, processor_cls = (getattr(transformers, prefix + name) for name in
                                             ("Config", "ForConditionalGeneration", "Processor"))
 
-    tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
+    tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>",
+                                     vocab_size=spec.vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL}
     head_dim = spec.text_hidden // spec.text_heads
     half = head_dim // 2
     mrope_section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # t, h, w: sums to head_dim/2
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
+        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp(),
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads, max_position_embeddings=4096,
         rope_scaling={"type": "mrope", "mrope_section": mrope_section}, rope_theta=1000000.0,
@@ -50,9 +51,10 @@ def build(spec: Spec, out: Path, v2_5: bool = False) -> None:
     if v2_5:
         vision = dict(
             depth=spec.vision_layers, hidden_size=spec.vision_hidden, out_hidden_size=spec.text_hidden,
-            intermediate_size=4 * spec.vision_hidden, num_heads=spec.vision_heads, hidden_act="silu",
+            intermediate_size=spec.vision_mlp(), num_heads=spec.vision_heads, hidden_act="silu",
             patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-            window_size=2 * 2 * spec.patch_size * 2, fullatt_block_indexes=[spec.vision_layers - 1],
+            window_size=2 * 2 * spec.patch_size * 2,
+            fullatt_block_indexes=list(spec.vision_full_attention or [spec.vision_layers - 1]),
             tokens_per_second=2, initializer_range=INIT_RANGE,
         )
     else:
