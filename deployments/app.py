@@ -16,6 +16,7 @@ from deployments.decode import LLMDecode
 from deployments.encoder import VisionEncoder
 from deployments.ingress import Ingress
 from deployments.preprocess import Preprocess
+from pipeline.auth import KeyRing
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,6 +26,10 @@ def build_app(args: dict | None = None) -> Application:
         config = IrisConfig.model_validate(args or {})
     except ValidationError as err:
         raise ValueError(f"invalid Iris application args:\n{err}") from None
+    try:
+        KeyRing.load(config.auth)  # each ingress replica loads the keys itself; a bad file or variable stops here
+    except ValueError as err:
+        raise ValueError(f"invalid Iris application args: {err}") from None
     _report_redis(config)
     encoder = VisionEncoder.bind(config)
     preprocess = Preprocess.bind(config)

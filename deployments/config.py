@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
+from pipeline.auth import AuthConfig
 from pipeline.media import MediaLimits
 from pipeline.models.source import resolve_model
+from pipeline.tenant_limits import TenantLimits
 from pipeline.vision_model import VisionModel
 
 # vLLM engine arguments Iris relies on; users may not turn them off.
@@ -76,11 +78,20 @@ class IrisConfig(BaseModel):
         description="Extra vLLM AsyncEngineArgs for LLMDecode (e.g. max_model_len, "
         "gpu_memory_utilization, tensor_parallel_size, block_size).",
     )
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig,
+        description="API keys: with any configured, every request but /health needs one (401 otherwise), "
+        "and a key mapped to a tenant name makes that its tenant.")
+    tenant_limits: TenantLimits = Field(
+        default_factory=TenantLimits,
+        description="Per-tenant limits (requests in flight, images and prompt tokens per minute), cluster-wide "
+        "through the cache's Redis; all off by default.")
     tenant_header: str | None = Field(
         None,
         description="Header naming the tenant, honoured only when set here: set it only when a trusted "
         "gateway authenticates callers, sets this header and drops any copy a client sent. None (the "
-        "default) ignores the header; the tenant is then the API key's hash, or `default`.",
+        "default) ignores the header; the tenant is then the one of the API key (its configured name, "
+        "else its hash), or `default`.",
     )
     share_content_cache_across_tenants: bool = Field(
         False,

@@ -4,6 +4,11 @@ Routes, validation and responses. A request's images and videos are MediaFeature
 job (deployments/media_features.py); its answer comes from LLMDecode as a DecodeStream
 and goes out as vLLM's response models (pipeline/openai_format.py). Every request has
 a deadline (`request_timeout_s`) for all its work.
+
+Every route but /health first checks the API key when keys are configured (401 otherwise,
+pipeline/auth.py); chat and completion requests then pass their tenant's limits (429,
+pipeline/tenant_limits.py) before any media work, and give their slot back when the answer
+ends, however it ends.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
 from deployments.media_features import MediaFeatures
-from deployments.metrics import RequestMetrics
+from deployments.metrics import RequestMetrics, TenantMetrics
 from pipeline import openai_format
+from pipeline.auth import KeyRing, unauthorized
 from pipeline.chat_prompt import template_messages
 from pipeline.chat_request import parse_chat_request
 from pipeline.errors import IrisError, bad_request, not_found
 from pipeline.json_body import read_json_body
-from pipeline.stage_io import DecodeRequest
+from pipeline.stage_io import DecodeChunk, DecodeRequest
 from pipeline.stage_trace import mark
-from pipeline.tenant import tenant_of
+from pipeline.tenant import bearer_token, tenant_of
+from pipeline.tenant_limits import TenantLimiter, Ticket
 from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.vllm_sampling import check_max_tokens, validate_sampling
 
@@ -60,6 +67,10 @@ class Ingress:
         self.config = config
         self.decode = decode
         self.metrics = RequestMetrics()
+        self.tenant_metrics = TenantMetrics(self.metrics.counts)
+        self.keys = KeyRing.load(config.auth)  # None: no keys configured, requests need none
+        self.limiter = TenantLimiter(config.tenant_limits, config.cache, config.request_timeout_s)
+        self._releasing: set[asyncio.Task] = set()
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
         # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
@@ -71,12 +82,21 @@ class Ingress:
         return {"status": "ok", "redis": await self.features.cache.ping()}
 
     @app.get("/v1/models")
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._caller(request)
+        except IrisError as err:
+            return self._error(err, "models")
         return _json(openai_format.model_list(self.config.model_name, self.config.engine_args.get("max_model_len")))
 
     @app.get("/iris/stats")
-    async def stats(self) -> dict:
-        return {"ingress": dict(self.metrics.counts), "cache": self.features.cache.stats()}
+    async def stats(self, request: Request):
+        try:
+            self._caller(request)
+        except IrisError as err:
+            return self._error(err, "stats")
+        return {"ingress": dict(self.metrics.counts), "cache": self.features.cache.stats(),
+                "tenant_limits": dict(self.limiter.stats)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -91,6 +111,7 @@ class Ingress:
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a text prompt, or text-only chat messages through the chat template."""
         try:
+            self._caller(request)
             job = parse_tokenize_request(await self._body(request), self.config.max_images_per_prompt)
             self._check_model(job.model)
             result = await self.decode.tokenize.remote(job)
@@ -103,6 +124,7 @@ class Ingress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         try:
+            self._caller(request)
             req = parse_detokenize_request(await self._body(request))
             self._check_model(req.model)
             return _json(await self.decode.detokenize.remote(req.tokens))
@@ -110,7 +132,7 @@ class Ingress:
             return self._error(err, "detokenize failed")
 
     # --- answers --------------------------------------------------------------
-    async def _open_chat(self, request: Request) -> tuple[DecodeStream, Reply]:
+    async def _open_chat(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         mark("ingress.received", request_id)
         chat = parse_chat_request(await self._body(request), self.config.max_images_per_prompt,
@@ -118,7 +140,8 @@ class Ingress:
         mark("ingress.parsed", request_id)
         check_max_tokens(chat.sampling, self.config.max_tokens_limit)
         self._check_model(chat.model)
-        tenant = tenant_of(request.headers, self.config.tenant_header)
+        await self._admit(ticket, len(chat.media))  # before any media work
+        tenant = ticket.tenant
         media = await self.features.resolve(chat, tenant)
         mark("ingress.features_ready", request_id)
         messages = template_messages(chat)
@@ -133,7 +156,7 @@ class Ingress:
             lambda answer: answer.chat(request_id, model),
             {"x-iris-images": f"cached={media.cached},computed={media.computed}"})
 
-    async def _open_text(self, request: Request) -> tuple[DecodeStream, Reply]:
+    async def _open_text(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
         req = validate_sampling(await self._body(request), "completion")
         check_max_tokens(req, self.config.max_tokens_limit)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
@@ -141,7 +164,8 @@ class Ingress:
             raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
         self._check_model(req.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        tenant = tenant_of(request.headers, self.config.tenant_header)
+        await self._admit(ticket, 0)
+        tenant = ticket.tenant
         stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=tenant,
                                                                     prompt=prompt))
         model = self.config.model_name
@@ -151,20 +175,68 @@ class Ingress:
                              lambda answer: answer.text(request_id, model))
 
     async def _answer(self, open_answer: Callable, request: Request, what: str) -> Response:
-        """`open_answer(request)` within the request's deadline, then its answer, streamed or whole."""
+        """`open_answer(request, ticket)` within the request's deadline, then its answer, streamed or
+        whole. The ticket (the tenant's limits) is given back when the answer ends, however it ends."""
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        ticket = None
         try:
+            ticket = self.limiter.ticket(self._caller(request))
             async with asyncio.timeout_at(deadline):
-                stream, reply = await open_answer(request)
+                stream, reply = await open_answer(request, ticket)
             self.metrics.ttft.observe(time.perf_counter() - start)
-        except Exception as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
+        except BaseException as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
+            if ticket is not None:
+                await self._release(ticket)
+            if not isinstance(err, Exception):  # cancelled: the client left
+                raise
             return self._error(err, f"{what} failed")
-        chunks = stream.chunks(deadline)
+        chunks = self._charged(stream.chunks(deadline), ticket)
         if reply.stream:
-            return StreamingResponse(self._sse(reply.events(chunks), chunks), media_type="text/event-stream",
+            return StreamingResponse(self._sse(reply.events(chunks), chunks, ticket), media_type="text/event-stream",
                                      headers=reply.headers)
-        return await self._whole(chunks, reply.whole, reply.headers, what)
+        return await self._whole(chunks, reply.whole, reply.headers, what, ticket)
+
+    # --- keys and limits --------------------------------------------------------
+    def _caller(self, request: Request) -> str:
+        """The request's tenant; a 401 when keys are configured and it carries none of them."""
+        owner = None
+        if self.keys is not None:
+            owner = self.keys.tenant(bearer_token(request.headers))
+            if owner is None:
+                self.tenant_metrics.unauthorized()
+                raise unauthorized()
+        return tenant_of(request.headers, self.config.tenant_header, owner)
+
+    async def _admit(self, ticket: Ticket, images: int) -> None:
+        try:
+            await self.limiter.admit(ticket, images)
+        except IrisError as err:
+            self.tenant_metrics.rate_limited(ticket.tenant, err.extra.get("limit", ""))
+            raise
+        self.tenant_metrics.admitted(ticket.tenant)
+
+    async def _release(self, ticket: Ticket) -> None:
+        """Give the ticket back, and charge its prompt tokens. Shielded: a client that leaves
+        (cancellation) does not stop it half way."""
+        if ticket.backend is None or ticket.released:
+            return
+        self.tenant_metrics.charged(ticket.tenant, ticket.prompt_tokens)
+        task = asyncio.ensure_future(self.limiter.release(ticket))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
+
+    @staticmethod
+    async def _charged(chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
+        """The chunks, noting the prompt tokens the last one reports on the ticket."""
+        try:
+            async for chunk in chunks:
+                if chunk.done:
+                    ticket.prompt_tokens = chunk.prompt_tokens
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     # --- helpers --------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
@@ -175,7 +247,8 @@ class Ingress:
             raise not_found(f"The model `{name}` does not exist; this server serves "
                             f"`{self.config.model_name}`.", param="model", code="model_not_found")
 
-    async def _whole(self, chunks: AsyncIterator, render: Callable, headers: dict | None, what: str) -> Response:
+    async def _whole(self, chunks: AsyncIterator, render: Callable, headers: dict | None, what: str,
+                     ticket: Ticket) -> Response:
         """A non-streamed answer. The decode stream is closed whatever happens, also when the
         client leaves (cancellation), which aborts the decode request."""
         try:
@@ -183,13 +256,18 @@ class Ingress:
         except Exception as err:
             return self._error(err, f"{what} failed while decoding")
         finally:
-            await chunks.aclose()
+            try:
+                await chunks.aclose()
+            finally:
+                await self._release(ticket)
         self.metrics.outcome("ok")
         return _json(render(answer), headers)
 
-    async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator):
+    async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator, ticket: Ticket):
         """A streamed answer's body: the events, then [DONE]. Once the stream has started, an
-        error (the engine's, the deadline, a dead replica) is reported in-band, as OpenAI does."""
+        error (the engine's, the deadline, a dead replica) is reported in-band, as OpenAI does.
+        The ticket goes back before [DONE] (a client's next request may follow at once), or when
+        the stream closes otherwise (the client left)."""
         try:
             try:
                 async for event in events:
@@ -198,10 +276,14 @@ class Ingress:
             except Exception as err:
                 error = self._failure(err, "stream failed")
                 yield openai_format.sse(error.to_dict())
+            await self._release(ticket)
             yield openai_format.DONE
         finally:
-            await events.aclose()
-            await chunks.aclose()
+            try:
+                await events.aclose()
+                await chunks.aclose()
+            finally:
+                await self._release(ticket)
 
     def _failure(self, err: BaseException, what: str) -> IrisError:
         error = failure_response(err, what, self.config.request_timeout_s)
@@ -210,4 +292,4 @@ class Ingress:
 
     def _error(self, err: BaseException, what: str) -> JSONResponse:
         error = self._failure(err, what)
-        return JSONResponse(error.to_dict(), status_code=error.status_code)
+        return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers or None)

@@ -7,6 +7,7 @@ from collections import Counter
 from ray.serve import metrics
 
 from cache_service.feature_cache import FeatureCache
+from pipeline.tenant import metric_tenant
 
 # Stats that are levels, not running counts.
 GAUGES = {"degraded", "l1_bytes", "l1_entries"}
@@ -70,3 +71,40 @@ class RequestMetrics:
             if n:
                 self.items.inc(n, tags={"source": source})
                 self.counts[f"images_{source}"] += n
+
+
+class TenantMetrics:
+    """Requests per tenant, by outcome. Tenants are tagged by pipeline.tenant.metric_tenant (a
+    hash), never by name or key; a 401's key names no tenant, so 401s are tagged `none`."""
+
+    def __init__(self, counts: Counter[str]):
+        self.counts = counts  # RequestMetrics.counts: totals for /iris/stats
+        self.requests = metrics.Counter(
+            "iris_tenant_requests", description="Chat and completion requests per tenant (hashed) and outcome: "
+            "admitted (past the key check and the tenant's limits), rate_limited (429); and 401s (no or a wrong "
+            "key, on any route but /health) as tenant `none`, outcome unauthorized",
+            tag_keys=("tenant", "outcome"))
+        self.limited = metrics.Counter(
+            "iris_tenant_rate_limited", description="429s per tenant (hashed) and the limit refused: concurrency, "
+            "images, prompt_tokens", tag_keys=("tenant", "limit"))
+        self.prompt_tokens = metrics.Counter(
+            "iris_tenant_prompt_tokens", description="Prompt tokens charged per tenant (hashed), from answers' usage",
+            tag_keys=("tenant",))
+
+    def _outcome(self, tag: str, outcome: str) -> None:
+        self.counts[f"tenant_{outcome}"] += 1
+        self.requests.inc(tags={"tenant": tag, "outcome": outcome})
+
+    def unauthorized(self) -> None:
+        self._outcome("none", "unauthorized")
+
+    def admitted(self, tenant: str) -> None:
+        self._outcome(metric_tenant(tenant), "admitted")
+
+    def rate_limited(self, tenant: str, limit: str) -> None:
+        self._outcome(metric_tenant(tenant), "rate_limited")
+        self.limited.inc(tags={"tenant": metric_tenant(tenant), "limit": limit})
+
+    def charged(self, tenant: str, prompt_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self.prompt_tokens.inc(prompt_tokens, tags={"tenant": metric_tenant(tenant)})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import inspect
 import io
 import sys
@@ -209,8 +210,11 @@ def _tables(model: type, prefix: str, title: str, out: list[str]) -> None:
         path = f"{prefix}{name}"
         sub = _nested_model(info.annotation)
         if sub is not None:
+            if typing.get_origin(info.annotation) is dict:  # models by name: one table for any entry
+                path = f"{path}.<name>"
             nested.append((sub, path))
-            default = f"see [`{path}`](#{path.replace('.', '')})"
+            anchor = re.sub(r"[^\w\- ]", "", path).lower()  # GitHub's anchor of the table's heading
+            default = f"see [`{path}`](#{anchor})"
         else:
             default = _default(info)
         row = [f"`{path}`", f"`{_type(info.annotation) if sub else _field_type(info)}`", default,
