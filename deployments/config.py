@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
 from pipeline.auth import AuthConfig
+from pipeline.fair_gate import FairSharing
 from pipeline.media import MediaLimits
 from pipeline.models.source import resolve_model
 from pipeline.tenant_limits import TenantLimits
@@ -99,6 +100,9 @@ class IrisConfig(BaseModel):
         "False (the default) keys them per tenant, so neither `x-iris-images` nor timing tells a tenant "
         "whether another sent an image; true saves encoder work when all tenants trust each other.",
     )
+    fair_sharing: FairSharing = Field(
+        default_factory=FairSharing, description="Tenants served in turn in Preprocess and the VisionEncoder "
+        "(docs/security.md: fair sharing).")
     request_timeout_s: float = Field(
         300, gt=0,
         description="Upper bound on one request, from arrival to its last token (image work, queueing, "

@@ -22,8 +22,9 @@ from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
-from deployments.metrics import CacheMetrics, latency_histogram
+from deployments.metrics import CacheMetrics, StageQueueMetrics, latency_histogram
 from pipeline.errors import IrisError
+from pipeline.fair_gate import FairGate
 from pipeline.stage_io import EncodedMedia
 from pipeline.stage_trace import mark
 from pipeline.vision_model import PixelInputs
@@ -59,6 +60,11 @@ class VisionEncoder:
             self.max_images = GPU_BATCH_SIZE if on_gpu else 1
         self._forward.set_max_batch_size(self.max_images * (self.max_tokens or 1))
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
+        # Items queued for or in the forward pass; the rest wait for their tenant's turn.
+        slots = config.fair_sharing.encoder_slots
+        self.gate = FairGate(2 * self.max_images if slots == "auto" else slots, config.fair_sharing.enabled,
+                             config.fair_sharing.tenant_weights)
+        self.queue_seconds = StageQueueMetrics("encoder")
         self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
                                             "forward pass", boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
         self.batch_seconds = latency_histogram("iris_encoder_batch_seconds", "Seconds per vision-encoder forward pass")
@@ -73,7 +79,8 @@ class VisionEncoder:
         """What this model serves: "image", and "video" where vLLM takes its video features back."""
         return list(self.vision.modalities)
 
-    async def encode(self, key: str, pixels: PixelInputs | IrisError) -> EncodedMedia | IrisError:
+    async def encode(self, key: str, pixels: PixelInputs | IrisError, tenant: str = "default"
+                     ) -> EncodedMedia | IrisError:
         """Features for `key` as an object-store reference. `pixels` is Preprocess's result
         (Serve resolves the pending response the ingress passed); its client error passes through."""
         mark("encoder.start", key)
@@ -81,11 +88,11 @@ class VisionEncoder:
             return pixels
         self.encoding += 1
         try:
-            return await self._encode(key, pixels)
+            return await self._encode(key, pixels, tenant)
         finally:
             self.encoding -= 1
 
-    async def _encode(self, key: str, pixels: PixelInputs) -> EncodedMedia | IrisError:
+    async def _encode(self, key: str, pixels: PixelInputs, tenant: str) -> EncodedMedia | IrisError:
         if fingerprint_of(key) != self.fingerprint:
             # A rolling update: the ingress keyed this image for other weights. Never store
             # our features under another model's key; the ingress refetches the fingerprint.
@@ -98,8 +105,12 @@ class VisionEncoder:
             cost = max(min(pixels.num_tokens, self.max_tokens) * self.max_images, self.max_tokens)
 
         async def compute(_indexes: list[int]):
+            # Large images weigh more in the tenant's share: the forward pass costs by tokens.
+            async with self.gate.slot(tenant, pixels.num_tokens) as waited:
+                self.queue_seconds.observe(waited, tenant)
+                features = await self._forward(_Queued(pixels, cost))
             # The fingerprint in the value lets every reader check it against the key's.
-            return [stamp_fingerprint(await self._forward(_Queued(pixels, cost)), self.fingerprint)]
+            return [stamp_fingerprint(features, self.fingerprint)]
 
         (result,) = await self.cache.get_or_compute_many([key], compute, write_behind=True)
         self.cache_metrics.export()
@@ -122,4 +133,4 @@ class VisionEncoder:
 
     def stats(self) -> dict:
         return {"images_encoded": self.images_encoded, "batches": self.batches, "encoding": self.encoding,
-                "cache": self.cache.stats()}
+                "waiting": self.gate.waiting, "cache": self.cache.stats()}

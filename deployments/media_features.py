@@ -49,6 +49,7 @@ class RequestMedia:
     datas: list[bytes | None] = field(default_factory=list)  # None: sent by uuid only
     names: list[str] = field(default_factory=list)  # for errors: image[0], video[0], ...
     modalities: list[str] = field(default_factory=list)
+    tenant: str = "default"
     delivered: dict = field(default_factory=dict)  # key -> ObjectRef of features computed for this request
     cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
     computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
@@ -93,7 +94,8 @@ class MediaFeatures:
             load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
             if item.url is not None else asyncio.sleep(0) for item in chat.media)))
         keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
-        media = RequestMedia(keys, datas, [item.name for item in chat.media], [item.modality for item in chat.media])
+        media = RequestMedia(keys, datas, [item.name for item in chat.media], [item.modality for item in chat.media],
+                             tenant)
         unique = list(dict.fromkeys(keys))
         unknown = [k for k in unique if k not in self._known and k not in self._inflight]
         present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
@@ -177,7 +179,7 @@ class MediaFeatures:
                 joined.append(key)
             elif key not in self._known:
                 i = media.keys.index(key)
-                job = MediaJob(media.names[i], key, media.datas[i], media.modalities[i])
+                job = MediaJob(media.names[i], key, media.datas[i], media.modalities[i], media.tenant)
                 # A context of its own: Serve cancels the calls a request made when the request is
                 # cancelled, but other requests may join this work. It stops when its last waiter leaves.
                 self._inflight[key] = asyncio.get_running_loop().create_task(
@@ -208,7 +210,7 @@ class MediaFeatures:
             # Serve passes Preprocess's pending result into the encoder call (model composition):
             # the pixels go through the object store, and Preprocess is free once they are made.
             pixels = self.preprocess.pixels.remote(job)
-            encoded = self.encoder.encode.remote(job.key, pixels)
+            encoded = self.encoder.encode.remote(job.key, pixels, job.tenant)
             try:
                 result = await encoded
             except asyncio.CancelledError:

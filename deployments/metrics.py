@@ -46,6 +46,20 @@ def latency_histogram(name: str, description: str, tag_keys: tuple[str, ...] = (
     return metrics.Histogram(name, description=description, boundaries=_LATENCY_BOUNDARIES, tag_keys=tag_keys)
 
 
+class StageQueueMetrics:
+    """Seconds an item waited for its tenant's turn in a stage (pipeline/fair_gate.py), by tenant
+    (hashed: pipeline/tenant.py metric_tenant)."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.histogram = latency_histogram("iris_stage_queue_seconds", "Seconds an image or video waited for a "
+                                           "slot in a stage (Preprocess, VisionEncoder), by tenant",
+                                           tag_keys=("stage", "tenant"))
+
+    def observe(self, seconds: float, tenant: str) -> None:
+        self.histogram.observe(seconds, tags={"stage": self.stage, "tenant": metric_tenant(tenant)})
+
+
 class RequestMetrics:
     """The ingress's counts: requests by outcome, items by how their features were obtained,
     time to first token. Mirrored in `counts` for /iris/stats."""

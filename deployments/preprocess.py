@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 
+import ray
 from PIL import Image
 from ray import serve
 
 from deployments.config import IrisConfig
-from deployments.metrics import latency_histogram
+from deployments.metrics import StageQueueMetrics, latency_histogram
 from pipeline.errors import IrisError, bad_request
+from pipeline.fair_gate import FairGate
 from pipeline.media_decode import check_video, decode_image
 from pipeline.stage_io import MediaJob
 from pipeline.stage_trace import mark
@@ -32,11 +35,17 @@ class Preprocess:
         self.vision = config.vision_model()
         self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
         self.limits = config.media
+        # Decodes at once; further items wait for their tenant's turn, not in arrival order.
+        slots = config.fair_sharing.preprocess_slots
+        if slots == "auto":
+            slots = max(2, math.ceil(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        self.gate = FairGate(slots, config.fair_sharing.enabled, config.fair_sharing.tenant_weights)
+        self.queue_seconds = StageQueueMetrics("preprocess")
         self.seconds = latency_histogram("iris_preprocess_seconds",
                                          "Seconds to decode and preprocess one image or video")
         self.images_preprocessed = 0
         self.abandoned = 0  # calls whose caller left while they were working
-        self.preprocessing = 0  # pixels() calls in progress
+        self.preprocessing = 0  # pixels() calls in progress (waiting for a slot or working)
 
     def _pixels(self, job: MediaJob, cancelled: threading.Event):
         m = job.modality  # one the model takes: the ingress refused the others
@@ -58,9 +67,18 @@ class Preprocess:
 
     async def pixels(self, job: MediaJob) -> PixelInputs | IrisError:
         """A client error (bad image) is returned, not raised: it reaches the ingress as a value."""
+        mark("preprocess.queued", job.key)
+        self.preprocessing += 1
+        try:
+            async with self.gate.slot(job.tenant) as waited:
+                self.queue_seconds.observe(waited, job.tenant)
+                return await self._preprocess(job)
+        finally:
+            self.preprocessing -= 1
+
+    async def _preprocess(self, job: MediaJob) -> PixelInputs | IrisError:
         start = time.perf_counter()
         mark("preprocess.start", job.key)
-        self.preprocessing += 1
         cancelled = threading.Event()
         work = asyncio.ensure_future(asyncio.to_thread(self._pixels, job, cancelled))
         try:
@@ -75,8 +93,6 @@ class Preprocess:
             with contextlib.suppress(BaseException):
                 await work
             raise
-        finally:
-            self.preprocessing -= 1
         self.seconds.observe(time.perf_counter() - start)
         self.images_preprocessed += 1
         mark("preprocess.end", job.key)
@@ -84,4 +100,4 @@ class Preprocess:
 
     def stats(self) -> dict:
         return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing,
-                "abandoned": self.abandoned}
+                "abandoned": self.abandoned, "waiting": self.gate.waiting}

@@ -111,8 +111,9 @@ class FairSharing(BaseModel):
         True, description="Serve tenants in turn (by weight) in Preprocess and the VisionEncoder; false: first "
         "come, first served, where one tenant's burst of new images queues every other tenant behind it.")
     tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
-        default_factory=dict, description="Share of a tenant (by its name: the tenant header's value, or "
-        "`key-...` for an API key's hash) relative to the others; unlisted tenants weigh 1.")
+        default_factory=dict, description="Share of a tenant (by its name: a configured key's tenant, the "
+        "tenant header's value, or `key-...` for an unconfigured key's hash) relative to the others; unlisted "
+        "tenants weigh 1.")
     preprocess_slots: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         "auto", description="Images or videos one Preprocess replica decodes at once; the rest wait their "
         "tenant's turn. auto: the replica's CPUs (ray_actor_options.num_cpus) rounded up, at least 2.")

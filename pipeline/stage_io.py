@@ -30,6 +30,7 @@ class MediaJob:
     key: str
     data: bytes
     modality: str = "image"
+    tenant: str = "default"  # whose turn it is in the stages' fair sharing (pipeline/fair_gate.py)
 
 
 @dataclass
