@@ -13,6 +13,8 @@ import sys
 # experiment -> (module with main(argv), what it measures)
 EXPERIMENTS = {
     "compare": ("bench.compare", "Iris against Ray Serve LLM and `vllm serve`, side by side, in one run"),
+    "gpu": ("bench.gpu_run", "a GPU run ready to go: 7B-sized LLaVA and Qwen2.5-VL, the three systems, "
+            "new, repeated and no images at 1 and 16 clients"),
     "autoscale": ("bench.autoscale", "Preprocess autoscaling watched under a load of 12 MP JPEGs"),
     "cache": ("bench.cache_bench", "feature-cache get/put latency and throughput per tier (L1, L2)"),
     "feature-plane": ("bench.feature_plane", "one Redis against a Redis Cluster, bytes per image, a capacity model"),

@@ -95,39 +95,56 @@ vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 128.0
     assert Counters().pooled_prefix_hit_rate() is None and Counters().prompt_token_shares() == {}
 
 
-def test_quick_run_against_tiny_iris(tmp_path):
-    """A few points of the plan against Iris on the tiny model, with vLLM's own client too."""
-    from bench import compare
+def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
+    """`python -m bench gpu` as on a GPU machine, at the tiny size on this CPU: it builds the checkpoint,
+    starts Iris and `vllm serve` in turn, warms each up, drives new images, a repeated image, text and
+    upload-free requests at 1 and 2 clients, reads their counters, and saves JSON and Markdown with
+    whole-answer latency, output tokens/s and Iris / peer ratios. (The harness's one run end to end;
+    `python -m bench compare` is the same harness: systems, client, counters, report, results.)"""
+    from bench.__main__ import main
 
-    args = compare.parse_args(["--model", "builtin:tiny-llava", "--systems", "iris", "--replicas", "1",
-                               "--points", "unique-c1,repeat-c1,zipf-c4,upload_free-c4,random_mm-c4",
-                               "--scale", "0.25", "--eager", "--out-dir", str(tmp_path), "--name", "smoke"])
-    run = compare.run_comparison(args, "pytest smoke")
-    saved = json.loads((tmp_path / "smoke.json").read_text())
-    assert saved["commit"] and saved["command"] == "pytest smoke"
+    out = tmp_path / "gpu_run.json"
+    argv = ["--size", "tiny", "--models", "llava", "--systems", "iris,vllm", "--clients", "1,2", "--requests", "4",
+            "--max-tokens", "12", "--workloads", "unique,repeat,text,upload_free", "--out", str(out)]
+    main(["gpu", *argv])
+    saved = json.loads(out.read_text())
+    assert saved["commit"] and saved["command"] == "python -m bench gpu " + " ".join(argv)
     assert saved["machine"]["cpus"] == os.cpu_count() and saved["started"]
-    assert [s.get("error") for s in saved["starts"]] == [None]
-    assert saved["starts"][0]["warm_up"]["failed"] == 0, saved["starts"][0]["warm_up"]
-    results = {r["point"]: r for r in saved["results"]}
-    assert set(results) == {"unique-c1", "repeat-c1", "zipf-c4", "upload_free-c4", "random_mm-c4"}
-    for point, r in results.items():
-        assert "summary" in r, (point, r.get("skipped"))
+    assert saved["gpu"] == bool(saved["machine"]["gpus"]) and saved["eager"] == (not saved["gpu"])
+    assert list(saved["models"]) == ["builtin:tiny-llava"]
+    assert Path(saved["models"]["builtin:tiny-llava"]["checkpoint"]).is_dir()
+    assert [(s["system"], s.get("error")) for s in saved["starts"]] == [("iris", None), ("vllm", None)]
+    assert all(s["warm_up"]["failed"] == 0 for s in saved["starts"]), saved["starts"]
+    points = [f"{w}-c{c}" for w in ("unique", "repeat", "text", "upload_free") for c in (1, 2)]
+    results = {(r["system"], r["point"]): r for r in saved["results"]}
+    assert sorted(results) == sorted((s, p) for s in ("iris", "vllm") for p in points)
+    for key, r in results.items():
+        assert "summary" in r, (key, r.get("skipped"))
         s = r["summary"]
-        assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (point, s)
-        assert 0 < s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"]
-        assert s["req_per_s"] > 0
-    # Iris computes each distinct image once, and reports it through its metrics.
-    assert results["unique-c1"]["summary"]["encoder_runs_per_distinct_image"] == 1.0
-    assert results["repeat-c1"]["summary"]["encoder_runs"] == 1.0
-    # Each uuid misses until its bytes have been sent once; with 4 clients up to 4 can miss at once.
-    upload_free = results["upload_free-c4"]["summary"]
-    assert 1 <= upload_free["resent"] <= upload_free["distinct_images"] * 4
-    md = (tmp_path / "smoke.md").read_text()
-    assert "| unique-c1 |" in md and "random_mm-c4" in md
-    assert saved["machine"]["description"] in md and f"{os.cpu_count()} CPUs" in md
-    assert sorted(p.name for p in tmp_path.glob("smoke_*.png")) == ["smoke_latency_vs_load.png",
-                                                                    "smoke_ttft_by_workload.png"]
-    assert run["duration_s"] > 0
+        assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (key, s)
+        assert 0 < s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"] <= s["latency_ms"]["p90"], (key, s)
+        assert s["output_tokens_mean"] == 12, (key, s)  # ignore_eos: whole answers of one length everywhere
+        assert s["output_tokens_per_s"] == pytest.approx(12 * s["ok"] / s["duration_s"]) and s["req_per_s"] > 0
+    # Iris computes each distinct image once, also for two clients asking at once, and counts it.
+    iris = {p: results[("iris", p)]["summary"] for p in points}
+    assert iris["unique-c1"]["encoder_runs_per_distinct_image"] == 1.0
+    assert iris["unique-c2"]["encoder_runs_per_distinct_image"] == 1.0
+    assert iris["repeat-c1"]["encoder_runs"] == 1.0 and iris["repeat-c2"]["encoder_runs"] == 1.0
+    assert iris["text-c1"]["distinct_images"] == 0 and iris["text-c1"]["encoder_runs"] == 0
+    # Each uuid misses until its bytes have been sent once; with 2 clients up to 2 can miss at once.
+    assert 1 <= iris["upload_free-c1"]["resent"] <= iris["upload_free-c1"]["distinct_images"]
+    assert 1 <= iris["upload_free-c2"]["resent"] <= iris["upload_free-c2"]["distinct_images"] * 2
+    ratios = {r["point"]: r for r in saved["ratios"]}
+    assert sorted(ratios) == sorted(points) and all(r["peer"] == "vllm" for r in ratios.values())
+    for point, row in ratios.items():
+        a, b = iris[point], results[("vllm", point)]["summary"]
+        assert row["latency_p50"] == pytest.approx(a["latency_ms"]["p50"] / b["latency_ms"]["p50"])
+        assert row["output_tokens_per_s"] == pytest.approx(a["output_tokens_per_s"] / b["output_tokens_per_s"])
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# `python -m bench gpu`") and saved["machine"]["description"] in md
+    assert "## Iris vs Ray Serve LLM vs `vllm serve` (builtin:tiny-llava)" in md
+    assert "| upload_free-c2 |" in md and "| p50 e2e | p90 e2e | req/s | output tok/s |" in md
+    assert "Whole answers: p50 e2e ms / p90 e2e ms / p50 TPOT ms / output tok/s" in md
 
 
 # ---- scale-out: autoscale timeline analysis, router variant, vLLM core binding (no cluster needed)
@@ -398,7 +415,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
 
     from bench.__main__ import EXPERIMENTS, main
 
-    assert set(EXPERIMENTS) == {"compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
+    assert set(EXPERIMENTS) == {"compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
                                 "tenants", "vision-vs-prefill", "vllm"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
@@ -418,7 +435,7 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
     assert main(["compare.py"]) == 2 and "no experiment 'compare.py'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["compare", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
+@pytest.mark.parametrize("name", ["compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
                                   "tenants", "vision-vs-prefill"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
@@ -430,6 +447,9 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     assert usage.startswith(f"usage: python -m bench {name} ")
     options = {"compare": ["--quick", "--video", "--model", "--systems", "--replicas", "--points", "--scale", "--seed",
                            "--small-px", "--max-tokens", "--name", "--out-dir", "--no-plots", "--profile"],
+               "gpu": ["--models", "--size", "--systems", "--clients", "--requests", "--workloads", "--budget-s",
+                       "--max-tokens", "--image-px", "--max-model-len", "--gpu-memory-utilization", "--eager",
+                       "--timeout", "--seed", "--out"],
                "autoscale": ["--model", "--before-s", "--load-s", "--load-clients", "--after-s", "--idle-max-s",
                              "--seed", "--num-cpus", "--name", "--out-dir", "--reanalyse"],
                "cache": ["--iters", "--redis-url", "--out"],

@@ -56,10 +56,12 @@ class _Answer:
 
 
 class LoadClient:
-    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600, headers: dict | None = None):
+    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600, headers: dict | None = None,
+                 extra_body: dict | None = None):
         self.base_urls = base_urls
         self.model = model
         self.headers = headers or {}  # on every request (e.g. Authorization: Bearer <a tenant's key>)
+        self.extra_body = extra_body or {}  # in every request's body (e.g. vLLM's ignore_eos)
         self._next_url = itertools.cycle(base_urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
@@ -67,7 +69,7 @@ class LoadClient:
                     start: float) -> _Answer:
         """One streamed request; TTFT counts from `start`, the user's first attempt."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
         url = f"{next(self._next_url)}/v1/chat/completions"
         async with session.post(url, json=body, headers=self.headers) as response:
             if response.status != 200:

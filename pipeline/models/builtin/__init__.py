@@ -125,8 +125,11 @@ def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
     if spec.fast_build:
-        with drawing_weights(spec, "cuda" if torch.cuda.is_available() else "cpu"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with drawing_weights(spec, device):
             builtin.build(spec, out)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the process may serve next (a replica that built it): free the GPU
     else:
         builtin.build(spec, out)
     (out / "iris_builtin.json").write_text(json.dumps(
