@@ -1,8 +1,10 @@
 """The benchmark harness (`python -m bench compare`, bench/harness/): workloads are
-deterministic for a seed, Prometheus counters are read right, and a small run
-against the tiny model goes end to end (start Iris, drive it with our client and
-vLLM's, read its counters, write JSON, Markdown and plots, stop it), so the
-instrument every performance claim rests on cannot rot unnoticed. Also the
+deterministic for a seed, Prometheus counters are read right, reports carry
+whole-answer latency and output tokens/s with their ratios, the GPU configs ask
+for the GPU, and `python -m bench gpu` runs end to end at the tiny size (start
+Iris and `vllm serve`, drive each with our client, read their counters, write
+JSON and Markdown, stop them), so the instrument every performance claim rests
+on cannot rot unnoticed. Also the
 entry point, the provenance record every result carries, the one percentile,
 and the list of saved results."""
 
