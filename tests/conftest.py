@@ -22,6 +22,32 @@ def pytest_configure(config):
     # through the environment so Ray workers started by the tests build into the same place.
     os.environ.setdefault("IRIS_CHECKPOINT_DIR", tempfile.mkdtemp(prefix="iris-test-checkpoints-"))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Every vLLM engine the tests start (`vllm serve`, Iris's LLMDecode) runs its model in the
+    # engine-core process, as vLLM does on one GPU, instead of a worker process of its own (vLLM's
+    # CPU default): one process fewer to start per engine, the same computation.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+# Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
+# as (module, its `app` fixture's param or None for all), in the order that hands each app from one
+# to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each.
+APP_SHARING_ORDER = [("test_api_parity", None), ("test_serving", "llava"), ("test_families", None),
+                     ("test_serving", "qwen2_vl")]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture parameters
+def pytest_collection_modifyitems(items):
+    def group(item) -> int | None:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        param = item.callspec.params.get("app") if hasattr(item, "callspec") else None
+        return next((i for i, (m, p) in enumerate(APP_SHARING_ORDER) if m == module and p in (None, param)), None)
+
+    shared = sorted((item for item in items if group(item) is not None), key=group)  # stable
+    if not shared:
+        return
+    others = [item for item in items if group(item) is None]
+    at = next((i for i, item in enumerate(others) if item.module.__name__ > shared[-1].module.__name__), len(others))
+    items[:] = others[:at] + shared + others[at:]  # one block, where test_serving's modules would be
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,10 @@ CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall
 FEATURE_TOLERANCE = 1e-5
 # Each at its checkpoint's dtype: float32, except the families with Qwen3.5's hybrid language
 # model (Qwen3.5, MiniCPM-V 4.6), whose linear attention vLLM runs on the CPU in bfloat16 only.
-VARIANTS = [(family, BUILDERS[family].specs["tiny"].dtype) for family in SERVED_FAMILIES]
+# LLaVA first and Qwen2-VL last: their apps are also test_api_parity's and test_serving's, run just
+# before and just after this module (conftest), so each starts once.
+VARIANTS = sorted([(family, BUILDERS[family].specs["tiny"].dtype) for family in SERVED_FAMILIES],
+                  key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"))
 # Families whose built-in Iris serves video for: vLLM takes their video features back as embeddings
 # and the built-in chat template places videos. The others answer a video with a 400.
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -40,10 +43,11 @@ VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["squa
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
 def systems(request, iris_apps, tiny_checkpoint, vllm_server):
     """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder).
-    LLaVA in float32 is the app tests/test_api_parity.py compares, kept running for this module."""
+    Kept when done: the next module may want the same app (reference_args)."""
     family, dtype = request.param
     with beside(lambda: vllm_server(family, dtype),
-                iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME))
+                iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME),
+                              keep=True)
                 ) as (app, (vllm, ec_dir)):
         yield family, dtype, app.url, app.name, vllm, ec_dir
 

@@ -1,9 +1,12 @@
-"""Faults under load (issue 11): Redis killed and restarted, a replica of each stage
-killed mid-run, clients that leave, requests past their deadline.
+"""Faults under load (issue 11): no Redis at start-up, Redis killed and restarted, a
+replica of each stage killed mid-run, clients that leave, requests past their deadline.
 
 One app (tiny LLaVA) on a private redis-server that this module may kill (the shared
 Redis at 6379 is never touched); loopback only; every wait is bounded. The app's
-`request_timeout_s` is short so that "never hangs" is checked in seconds.
+`request_timeout_s` is short so that "never hangs" is checked in seconds. The app starts
+while its Redis is down: the cache is an optimisation, never a dependency, so the first
+tests check that it serves correctly without one; `redis_up` then starts Redis and waits
+for the app to reconnect.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from ray import serve
 
 from bench.harness.client import LoadClient
 from bench.harness.metrics import parse
+from bench.harness.systems import SERVED_NAME
 from bench.harness.workloads import ImageSpec, WorkloadFactory
 from tests.cache_fixtures import private_redis
 from tests.support.apps import metrics_text, running_app
+from tests.support.images import REFERENCE_TEXT, data_url, image_part, png_bytes
 from tests.support.sse import sse_events
 
 APP = "iris-faults"
@@ -39,6 +44,7 @@ FAILURE_CODES = {503: "replica_unavailable", 504: "timeout"}
 @pytest.fixture(scope="module")
 def redis_server():
     with private_redis() as server:
+        server.kill()  # down when the app starts; redis_up starts it (same port)
         yield server
 
 
@@ -53,6 +59,16 @@ def fault_app(iris_apps, tiny_checkpoint, redis_server):
     }
     with iris_apps.use(APP, args, route_prefix="/faults") as app:
         yield app.url
+
+
+@pytest.fixture
+def redis_up(fault_app, redis_server):
+    """The app's base URL, with its Redis running and the app connected to it."""
+    if redis_server.proc is None:
+        redis_server.start()
+    _wait_for(lambda: httpx.get(f"{fault_app}/health", timeout=10).json()["redis"], 30, "the app connects to Redis",
+              interval_s=0.2)
+    return fault_app
 
 
 # --------------------------------------------------------------------------- helpers
@@ -179,9 +195,39 @@ def test_max_tokens_over_the_limit_is_400(fault_app):
     assert ok.status_code == 200, ok.text
 
 
-# --------------------------------------------------------------------------- deadlines
-def test_timeout_is_504_and_aborts_the_decode(fault_app):
+# --------------------------------------------------------------------------- no Redis (the app started without)
+def _ask(base: str, url: str | None, uid: str | None = None, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": [image_part(url, uid), {"type": "text", "text": REFERENCE_TEXT}]}],
+            "max_tokens": 16, "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_serves_correctly_without_redis(fault_app, vllm_server):
     base = fault_app
+    assert httpx.get(f"{base}/health", timeout=30).json() == {"status": "ok", "redis": False}
+    reference = _ask(vllm_server("llava")[0], data_url(png_bytes("wide")), model=SERVED_NAME).json()
+    reference = reference["choices"][0]["message"]["content"]
+    first = _ask(base, data_url(png_bytes("wide")), uid="photo-1")
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"]["content"] == reference
+
+    encoded = _stats("VisionEncoder")["images_encoded"]
+    again = _ask(base, data_url(png_bytes("wide")), uid="photo-1")
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"] == reference
+    # The encoder's own in-process tier still saves the vision forward pass.
+    assert _stats("VisionEncoder")["images_encoded"] == encoded
+
+
+def test_upload_free_without_redis_is_a_clean_409(fault_app):
+    r = _ask(fault_app, None, uid="photo-1")
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "mm_cache_miss" and r.json()["error"]["missing"] == [0]
+
+
+# --------------------------------------------------------------------------- deadlines and disconnects
+def test_timeout_is_504_and_aborts_the_decode(redis_up):
+    base = redis_up
     started = time.monotonic()
     r = httpx.post(f"{base}/v1/chat/completions", json=_long_body(), timeout=TIMEOUT_S + 30)
     elapsed = time.monotonic() - started
@@ -191,8 +237,8 @@ def test_timeout_is_504_and_aborts_the_decode(fault_app):
     _wait_for(_decode_idle, 3, "vLLM aborted the timed-out request")
 
 
-def test_streamed_timeout_ends_the_stream_in_band(fault_app):
-    base = fault_app
+def test_streamed_timeout_ends_the_stream_in_band(redis_up):
+    base = redis_up
     started = time.monotonic()
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=_long_body(stream=True),
                       timeout=TIMEOUT_S + 30) as r:
@@ -206,8 +252,8 @@ def test_streamed_timeout_ends_the_stream_in_band(fault_app):
 
 # --------------------------------------------------------------------------- clients that leave
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_client_disconnect_aborts_the_decode(fault_app, stream):
-    request = _RawRequest(fault_app, "/v1/chat/completions", _long_body(stream=stream))
+def test_client_disconnect_aborts_the_decode(redis_up, stream):
+    request = _RawRequest(redis_up, "/v1/chat/completions", _long_body(stream=stream))
     try:
         _wait_for(lambda: _stats("LLMDecode")["generating"] == 1, 10, "the decode started")
         time.sleep(0.5)
@@ -217,11 +263,11 @@ def test_client_disconnect_aborts_the_decode(fault_app, stream):
     _wait_for(_decode_idle, 3, "vLLM aborted the abandoned request")
 
 
-def test_client_disconnect_stops_image_work(fault_app):
+def test_client_disconnect_stops_image_work(redis_up):
     """A client gone while its new images are preprocessed: the encoder never encodes them
     (its queued call is cancelled); no stage has work in progress for it afterwards."""
     encoded_before = _stats("VisionEncoder")["images_encoded"]
-    request = _RawRequest(fault_app, "/v1/chat/completions",
+    request = _RawRequest(redis_up, "/v1/chat/completions",
                           _chat_body("What is in these?", images=_big_images(seed=int(time.time())), max_tokens=4))
     try:
         _wait_for(lambda: _stats("Preprocess")["preprocessing"] > 0, 20, "preprocessing started", interval_s=0.02)
@@ -235,8 +281,8 @@ def test_client_disconnect_stops_image_work(fault_app):
 
 
 # --------------------------------------------------------------------------- Redis
-def test_redis_killed_and_restarted_under_load(fault_app, redis_server):
-    base = fault_app
+def test_redis_killed_and_restarted_under_load(redis_up, redis_server):
+    base = redis_up
     marks: dict[str, float] = {}
 
     async def health_redis() -> bool:
@@ -306,8 +352,8 @@ def _outcome_problems(records) -> list[dict]:
 
 
 @pytest.mark.parametrize("deployment", ["Preprocess", "VisionEncoder", "LLMDecode"])
-def test_replica_killed_mid_run(fault_app, deployment):
-    base = fault_app
+def test_replica_killed_mid_run(redis_up, deployment):
+    base = redis_up
     [victim] = _replica_processes(deployment)
     engine_processes = victim.children(recursive=True)  # LLMDecode: vLLM's engine core
     outcome: dict = {}

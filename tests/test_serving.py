@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from tests.support.apps import metrics_text, running_app
+from bench.harness.systems import SERVED_NAME as NAME  # the served model name of the shared apps
+from tests.support.apps import metrics_text, reference_args, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.images import image_part as _image_part, unique_png as _unique_png
 from tests.support.sse import sse_events
@@ -25,20 +26,11 @@ FAMILIES = ["llava", "qwen2_vl"]
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def app(request, iris_apps, tiny_checkpoint):
-    """(family, base URL, app name); the previous family's app is deleted first."""
+    """(family, base URL, app name): the app tests/test_api_parity.py and tests/test_families.py
+    compare with `vllm serve` on the same checkpoint (conftest runs them one after another)."""
     family = request.param
-    args = {
-        "model": tiny_checkpoint(family),
-        "served_model_name": f"tiny-{family}",
-        "max_images_per_prompt": 2,
-        "engine_args": {"max_model_len": 2048, "enforce_eager": True},  # no torch.compile: a faster start
-        "cache": {"ttl_s": 3600},
-        # Videos: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
-        "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
-                  "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
-        "tenant_header": "X-Iris-Tenant",  # the tests play the trusted gateway
-    }
-    with iris_apps.use(f"iris-{family}", args, route_prefix=f"/{family}") as running:
+    with iris_apps.use(f"iris-{family}", reference_args(tiny_checkpoint(family), "float32", NAME), keep=True,
+                       route_prefix=f"/{family}") as running:
         yield family, running.url, running.name
 
 
@@ -211,14 +203,14 @@ def test_openai_client_streaming_and_not(app):
 
     family, base, _ = app
     client = OpenAI(base_url=f"{base}/v1", api_key="test-key")
-    assert [m.id for m in client.models.list()] == [f"tiny-{family}"]
+    assert [m.id for m in client.models.list()] == [NAME]
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(png_bytes("tall"))}},
         {"type": "text", "text": REFERENCE_TEXT}]}]
-    full = client.chat.completions.create(model=f"tiny-{family}", messages=messages, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
     assert full.choices[0].finish_reason in ("length", "stop")
     assert full.usage.completion_tokens >= 1
-    stream = client.chat.completions.create(model=f"tiny-{family}", messages=messages, max_tokens=12,
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -54,11 +54,17 @@ def running_app(name: str) -> App:
 
 
 def reference_args(checkpoint: str, dtype: str = "float32", served_model_name: str = "bench") -> dict:
-    """The Iris app compared with `vllm serve` (conftest's vllm_server) on the same checkpoint:
-    the same served name and dtype, two images a prompt, eager like the reference."""
+    """The Iris app compared with `vllm serve` (conftest's vllm_server) on the same checkpoint (the
+    same served name and dtype, two images a prompt, eager like the reference), and the app
+    tests/test_serving.py drives: one app per checkpoint serves test_api_parity, test_families and
+    test_serving one after another (conftest orders them so)."""
     return {"model": checkpoint, "served_model_name": served_model_name, "max_images_per_prompt": 2,
             "dtype": dtype, "engine_args": {"max_model_len": 2048, "enforce_eager": True},
-            "cache": {"ttl_s": 600}}
+            "cache": {"ttl_s": 3600},
+            # test_serving: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
+            "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
+                      "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
+            "tenant_header": "X-Iris-Tenant"}  # test_serving plays the trusted gateway
 
 
 @contextmanager
