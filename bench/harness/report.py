@@ -91,6 +91,17 @@ def _fmt(value, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _table(points: list[str], systems: list[str], result, cell) -> list[str]:
+    """A Markdown table, a row per load point and a column per system: `cell(summary)` of
+    `result(system, point)`, blank where it did not run; rows with no cell left out."""
+    lines = ["| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    for point in points:
+        cells = [cell(r["summary"]) if (r := result(system, point)) is not None else "" for system in systems]
+        if any(cells):
+            lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(run: dict) -> str:
     results = [r for r in run["results"] if r.get("summary")]
     index = _index(results)
@@ -106,36 +117,19 @@ def markdown(run: dict) -> str:
              "p50 TPOT ms / output tokens per second (output tokens of the requests that succeeded over the "
              "point's duration).", ""]
     for replicas in sorted({r["replicas"] for r in results}):
+        def ttft_cell(s: dict) -> str:
+            cell = f"{_fmt(s['ttft_ms']['p50'])} / {_fmt(s['ttft_ms']['p90'])} / {_fmt(s['req_per_s'], 1)}"
+            return cell + (f" ({s['failed']} failed)" if s["failed"] else "")
+
+        def whole_answer_cell(s: dict) -> str:
+            return (f"{_fmt(_get(s, 'latency_ms', 'p50'))} / {_fmt(_get(s, 'latency_ms', 'p90'))} / "
+                    f"{_fmt(_get(s, 'tpot_ms', 'p50'), 1)} / {_fmt(s.get('output_tokens_per_s'), 1)}")
+
         lines += [f"## {replicas} decode replica{'s' if replicas > 1 else ''}", "",
-                  "| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
-        for point in points:
-            cells = []
-            for system in systems:
-                r = index.get((system, replicas, point))
-                if r is None:
-                    cells.append("")
-                    continue
-                s = r["summary"]
-                cell = f"{_fmt(s['ttft_ms']['p50'])} / {_fmt(s['ttft_ms']['p90'])} / {_fmt(s['req_per_s'], 1)}"
-                if s["failed"]:
-                    cell += f" ({s['failed']} failed)"
-                cells.append(cell)
-            if any(cells):
-                lines.append(f"| {point} | " + " | ".join(cells) + " |")
-        lines += ["", "Whole answers: p50 e2e ms / p90 e2e ms / p50 TPOT ms / output tok/s", "",
-                  "| load point | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
-        for point in points:
-            cells = []
-            for system in systems:
-                r = index.get((system, replicas, point))
-                if r is None:
-                    cells.append("")
-                    continue
-                s = r["summary"]
-                cells.append(f"{_fmt(_get(s, 'latency_ms', 'p50'))} / {_fmt(_get(s, 'latency_ms', 'p90'))} / "
-                             f"{_fmt(_get(s, 'tpot_ms', 'p50'), 1)} / {_fmt(s.get('output_tokens_per_s'), 1)}")
-            if any(cells):
-                lines.append(f"| {point} | " + " | ".join(cells) + " |")
+                  *_table(points, systems, lambda system, point: index.get((system, replicas, point)), ttft_cell),
+                  "", "Whole answers: p50 e2e ms / p90 e2e ms / p50 TPOT ms / output tok/s", "",
+                  *_table(points, systems, lambda system, point: index.get((system, replicas, point)),
+                          whole_answer_cell)]
         lines.append("")
         rows = [x for x in run["ratios"] if x["replicas"] == replicas]
         if rows:
