@@ -23,7 +23,9 @@ REQUIRED_ENGINE_ARGS = {"enable_mm_embeds": True, "enable_prefix_caching": True}
 
 
 class IrisConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Errors name the field and the rule, not the value: a value may hold a secret (a Redis password
+    # in a URL, a key where auth wants a file name).
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     model: str = Field(
         "builtin:tiny-llava",

@@ -1,9 +1,9 @@
 """API keys: which requests may come in, and the tenant each key belongs to (no Ray).
 
 As `vllm serve --api-key`: once any key is configured, every request but /health must carry
-one (`Authorization: Bearer <key>`), else 401. Keys come from the config (`auth.api_keys`,
-each its own tenant `key-<hash>`) or, better, from a JSON file or environment variable
-mapping tenant names to their keys ({"acme": ["key1", "key2"], ...}), e.g. a Kubernetes Secret.
+one (`Authorization: Bearer <key>`), else 401. Keys come from a JSON file or environment
+variable mapping tenant names to their keys ({"acme": ["key1", "key2"], ...}), e.g. a
+Kubernetes Secret; never from the config itself, whose arguments Ray Serve writes to its logs.
 
 Only SHA-256 digests of the keys are kept. A presented key's digest is compared with every
 stored digest by hmac.compare_digest, all of them whatever matches, so the time taken says
@@ -20,23 +20,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.errors import IrisError
-from pipeline.tenant import key_tenant
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class AuthConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No input in error messages: whatever was written here may be a key.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    api_keys: list[SecretStr] = Field(
-        default_factory=list,
-        description="API keys accepted, as vllm serve --api-key; each is its own tenant (`key-` + its hash). "
-        "Shown masked in logs and reprs, but in clear in the Serve config (serve status, dashboard): "
-        "prefer api_keys_file or api_keys_env. With no key configured anywhere, requests need no key.")
     api_keys_file: str | None = Field(
         None,
         description="Path of a JSON file mapping tenant names to their keys: {\"acme\": [\"key1\", \"key2\"]} "
@@ -46,9 +41,17 @@ class AuthConfig(BaseModel):
         description="Name of an environment variable holding the same JSON as api_keys_file (e.g. from a "
         "Kubernetes Secret via secretKeyRef). Read by every ingress replica at start, and checked at build time.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_keys_in_the_config(cls, data):
+        if isinstance(data, dict) and "api_keys" in data:
+            raise ValueError("auth.api_keys: keys may not be written in the config, whose arguments Ray Serve "
+                             "writes to its logs; put them in the JSON of api_keys_file or api_keys_env")
+        return data
+
     @property
     def configured(self) -> bool:
-        return bool(self.api_keys) or self.api_keys_file is not None or self.api_keys_env is not None
+        return self.api_keys_file is not None or self.api_keys_env is not None
 
 
 def unauthorized() -> IrisError:
@@ -80,9 +83,6 @@ class KeyRing:
                 raise ValueError(f"{where}: a key is listed twice (tenants {owners[digest]!r} and {tenant!r})")
             owners[digest] = tenant
 
-        for i, secret in enumerate(config.api_keys):
-            key = secret.get_secret_value()
-            add(key, key_tenant(key) if key else f"api_keys[{i}]", f"auth.api_keys[{i}]")
         if config.api_keys_file is not None:
             where = f"auth.api_keys_file {config.api_keys_file}"
             try:

@@ -26,9 +26,8 @@ APP = "iris-tenants"
 RUN = uuid.uuid4().hex[:12]
 KEYS = {tenant: f"sk-{tenant}-{RUN}-{uuid.uuid4().hex}" for tenant in ("alpha", "beta", "conc", "images", "tokens")}
 ALPHA_2 = f"sk-alpha2-{RUN}-{uuid.uuid4().hex}"  # alpha's second key
-INLINE = f"sk-inline-{RUN}-{uuid.uuid4().hex}"  # auth.api_keys: its own tenant, key-<hash>
 WRONG = f"sk-wrong-{RUN}-{uuid.uuid4().hex}"
-ALL_KEYS = [*KEYS.values(), ALPHA_2, INLINE, WRONG]
+ALL_KEYS = [*KEYS.values(), ALPHA_2, WRONG]
 IMAGES_PER_MINUTE = 2
 PROMPT_TOKENS_PER_MINUTE = 30
 
@@ -40,7 +39,7 @@ def tenants_app(iris_apps, tiny_checkpoint, tmp_path_factory):
     args = {
         "model": tiny_checkpoint("llava"),
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},
-        "auth": {"api_keys_file": str(keys_file), "api_keys": [INLINE]},
+        "auth": {"api_keys_file": str(keys_file)},
         "tenant_limits": {"tenants": {
             "conc": {"max_concurrent_requests": 1},
             "images": {"images_per_minute": IMAGES_PER_MINUTE},
@@ -112,9 +111,9 @@ def test_every_route_needs_a_right_key(tenants_app, method, path, body):
     for headers in ({}, _auth(WRONG), _auth(KEYS["alpha"][:-1]), {"authorization": f"Basic {KEYS['alpha']}"},
                     {"x-api-key": KEYS["alpha"]}):
         _assert_401(call(headers))
-    for key in (KEYS["alpha"], ALPHA_2, INLINE):
+    for key in (KEYS["alpha"], ALPHA_2):
         r = call(_auth(key))
-        assert r.status_code == 200, (key == INLINE, r.text)
+        assert r.status_code == 200, r.text
 
 
 def test_health_stays_open(tenants_app):
@@ -135,10 +134,9 @@ def test_a_key_reaches_its_own_tenants_uuids_only(tenants_app):
     assert first.status_code == 200, first.text
     # The other key of the same tenant finds it upload-free; another tenant's key does not.
     assert _chat(tenants_app, ALPHA_2, [image_part(None, uid)]).status_code == 200
-    for key in (KEYS["beta"], INLINE):
-        miss = _chat(tenants_app, key, [image_part(None, uid)])
-        assert miss.status_code == 409, miss.text
-        assert miss.json()["error"]["code"] == "mm_cache_miss" and miss.json()["error"]["missing"] == [0]
+    miss = _chat(tenants_app, KEYS["beta"], [image_part(None, uid)])
+    assert miss.status_code == 409, miss.text
+    assert miss.json()["error"]["code"] == "mm_cache_miss" and miss.json()["error"]["missing"] == [0]
 
 
 def test_images_per_minute_refused_before_any_image_work_over_both_replicas(tenants_app):
