@@ -191,7 +191,9 @@ class Ingress:
             if not isinstance(err, Exception):  # cancelled: the client left
                 raise
             return self._error(err, f"{what} failed")
-        chunks = self._charged(stream.chunks(deadline), ticket)
+        chunks = stream.chunks(deadline)
+        if ticket.backend is not None:  # a tenant with limits: its prompt tokens are charged at the end
+            chunks = self._charged(chunks, ticket)
         if reply.stream:
             return StreamingResponse(self._sse(reply.events(chunks), chunks, ticket), media_type="text/event-stream",
                                      headers=reply.headers)
