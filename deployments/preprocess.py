@@ -38,7 +38,7 @@ class Preprocess:
         # Decodes at once; further items wait for their tenant's turn, not in arrival order.
         slots = config.fair_sharing.preprocess_slots
         if slots == "auto":
-            slots = max(2, math.ceil(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+            slots = max(1, math.ceil(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.gate = FairGate(slots, config.fair_sharing.enabled, config.fair_sharing.tenant_weights)
         self.queue_seconds = StageQueueMetrics("preprocess")
         self.seconds = latency_histogram("iris_preprocess_seconds",

@@ -116,7 +116,8 @@ class FairSharing(BaseModel):
         "tenants weigh 1.")
     preprocess_slots: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         "auto", description="Images or videos one Preprocess replica decodes at once; the rest wait their "
-        "tenant's turn. auto: the replica's CPUs (ray_actor_options.num_cpus) rounded up, at least 2.")
+        "tenant's turn. auto: the replica's CPUs (ray_actor_options.num_cpus) rounded up: a decode keeps a core "
+        "busy, so more at once than the replica has cores only slows the others down.")
     encoder_slots: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
         "auto", description="Images or videos one VisionEncoder replica has queued for or in its forward pass; "
         "the rest wait their tenant's turn. auto: twice the encoder batch size (one batch runs while the "
