@@ -69,36 +69,74 @@ def image_files(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_checkpoint, tmp_path_factory):
-    """(family, dtype) -> (base URL, encoder-output folder) of `vllm serve` on that built-in
-    checkpoint: the monolithic reference, which also writes its encoder's output per image
-    (vLLM's ECExampleConnector, `ec_role: ec_both`; the folder is named by the image's uuid).
-    The tiny LLaVA one stays up for the session (several modules compare against it);
-    starting another stops the previous other, so at most two run at once. Eager mode (no
-    torch.compile: 35-40 s less per start here); the Iris apps compared with it run eager too."""
-    from bench.harness.systems import EngineSettings, _start_vllm
+class VllmServers:
+    """`vllm serve` on the built-in checkpoints: the monolithic reference, which also writes its
+    encoder's output per image (vLLM's ECExampleConnector, `ec_role: ec_both`; the folder is
+    named by the image's uuid). Eager mode (no torch.compile: 35-40 s less per start here); the
+    Iris apps compared with it run eager too.
 
-    keep = ("llava", "float32")
-    running: dict[tuple[str, str], tuple] = {}
+    servers(family, dtype) -> (base URL, encoder-output folder), starting it if need be. The tiny
+    LLaVA one stays up for the session (several modules compare against it); starting another
+    stops the previous others, except one asked for ahead with `prefetch`: it starts in the
+    background while the current one is in use (much of a start is single-threaded imports)."""
 
-    def get(family: str, dtype: str = "float32") -> tuple[str, Path]:
-        if (family, dtype) not in running:
-            for other in [k for k in running if k != keep]:
-                running.pop(other)[0].stop()
-            ec_dir = tmp_path_factory.mktemp(f"ec-{family}-{dtype}")
-            ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
-                  "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
-            engine = EngineSettings(tiny_checkpoint(family), dtype, 2048, 2, 1,
-                                    ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)))
-            running[(family, dtype)] = (_start_vllm(1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(),
-                                                    600), ec_dir)
-        system, ec_dir = running[(family, dtype)]
+    KEEP = ("llava", "float32")
+
+    def __init__(self, checkpoint, tmp_path_factory):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.checkpoint = checkpoint
+        self.tmp = tmp_path_factory
+        self.pool = ThreadPoolExecutor(2)
+        self.running: dict[tuple[str, str], object] = {}  # (family, dtype) -> Future of (system, ec_dir)
+        self.prefetched: tuple[str, str] | None = None
+
+    def __call__(self, family: str, dtype: str = "float32") -> tuple[str, Path]:
+        key = (family, dtype)
+        for other in [k for k in self.running if k not in (self.KEEP, key, self.prefetched)]:
+            self._stop(other)
+        if self.prefetched == key:
+            self.prefetched = None
+        system, ec_dir = self._future(key).result()
         return system.base_urls[0], ec_dir
 
-    yield get
-    for system, _ in running.values():
-        system.stop()
+    def prefetch(self, family: str, dtype: str = "float32") -> None:
+        self.prefetched = (family, dtype)
+        self._future(self.prefetched)
+
+    def close(self) -> None:
+        for key in list(self.running):
+            self._stop(key)
+        self.pool.shutdown()
+
+    def _future(self, key: tuple[str, str]):
+        if key not in self.running:
+            self.running[key] = self.pool.submit(self._start, *key)
+        return self.running[key]
+
+    def _start(self, family: str, dtype: str) -> tuple:
+        from bench.harness.systems import EngineSettings, _start_vllm
+
+        ec_dir = self.tmp.mktemp(f"ec-{family}-{dtype}")
+        ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+              "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
+        engine = EngineSettings(self.checkpoint(family), dtype, 2048, 2, 1,
+                                ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)))
+        return _start_vllm(1, engine, self.tmp.mktemp("vllm"), time.monotonic(), 600), ec_dir
+
+    def _stop(self, key: tuple[str, str]) -> None:
+        try:
+            self.running.pop(key).result()[0].stop()
+        except Exception:  # a start that failed: its test reported it
+            pass
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_checkpoint, tmp_path_factory):
+    """conftest's VllmServers: servers(family, dtype) -> (base URL, encoder-output folder)."""
+    servers = VllmServers(tiny_checkpoint, tmp_path_factory)
+    yield servers
+    servers.close()
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,12 @@ def systems(request, iris_apps, tiny_checkpoint, vllm_server):
                 iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME),
                               keep=True)
                 ) as (app, (vllm, ec_dir)):
+        # The next variant's reference starts while this one's tests run.
+        selected = list(dict.fromkeys(item.callspec.params["systems"] for item in request.session.items
+                                      if item.module is request.module and "systems" in item.callspec.params))
+        following = selected[selected.index(request.param) + 1:]
+        if following:
+            vllm_server.prefetch(*following[0])
         yield family, dtype, app.url, app.name, vllm, ec_dir
 
 
