@@ -68,9 +68,11 @@ def run_round(round_index: int, order: list[str], running: dict[str, systems.Run
         row = {}
         for phase, clients in (("alone", 0), ("flood", args.flood_clients)):
             # New images for every round, system and phase: nothing is cached from before.
-            factory = WorkloadFactory(seed=hash_str(f"{round_index}:{mode}:{phase}") % 10 ** 6, max_tokens=args.max_tokens)
+            seed = hash_str(f"{round_index}:{mode}:{phase}") % 10 ** 6
+            factory = WorkloadFactory(seed=seed, max_tokens=args.max_tokens)
             b_records, a_records, a_seconds = asyncio.run(measure_b(
-                system, factory, args.b_requests, clients, flood_label=10 ** 7 * (round_index + 1), settle_s=args.settle_s))
+                system, factory, args.b_requests, clients, flood_label=10 ** 7 * (round_index + 1),
+                settle_s=args.settle_s))
             row[phase] = {"b_ttft_p50_ms": _p50_ms(b_records), "b_ok": sum(r.ok for r in b_records),
                           "b_failed": sum(not r.ok for r in b_records),
                           "b_ttft_ms": [round(r.ttft_s * 1000, 1) for r in b_records if r.ok]}
