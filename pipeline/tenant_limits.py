@@ -41,7 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from cache_service.config import CacheConfig
-from pipeline.errors import IrisError
+from pipeline.errors import IrisError, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +202,8 @@ class TenantLimiter:
             return RedisCluster.from_url(cache.connect_url(), retry=Retry(NoBackoff(), 0),
                                          require_full_coverage=False, **settings)
         # One immediate retry covers a pooled connection that died with a restarted server.
-        return Redis.from_url(cache.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                              **settings)
+        return Redis.from_url(cache.connect_url(),
+                              retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **settings)
 
     def ticket(self, tenant: str) -> Ticket:
         return Ticket(tenant, self.limits.of(tenant))
@@ -220,6 +220,10 @@ class TenantLimiter:
         limits = ticket.limits
         if limits.off or ticket.backend is not None:
             return
+        if limits.images_per_minute is not None and images > limits.images_per_minute:
+            # Not a 429: waiting would not help.
+            raise bad_request(f"this request has {images} images and videos; this API key may send at most "
+                              f"{limits.images_per_minute} per minute", param="messages", code="too_many_images")
         now_ms = int(self.clock() * 1000)
         deadline_ms = now_ms + self.slot_ms
         refused, retry_ms = None, 0
@@ -297,5 +301,6 @@ class TenantLimiter:
             message = (f"this request's {images} image(s) would exceed the limit of {limits.images_per_minute} "
                        "images per minute for this API key")
         else:
-            message = f"the limit of {limits.prompt_tokens_per_minute} prompt tokens per minute for this API key is used up"
+            message = (f"the limit of {limits.prompt_tokens_per_minute} prompt tokens per minute for this API key "
+                       "is used up")
         return rate_limited(limit, retry_s, f"Rate limit reached: {message}; retry after {retry_s} s.")

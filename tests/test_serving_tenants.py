@@ -148,6 +148,9 @@ def test_images_per_minute_refused_before_any_image_work_over_both_replicas(tena
     # Eight more, spread over both ingress replicas by the proxy: each refused, none decoded or encoded.
     for _ in range(8):
         _assert_429(_chat(tenants_app, KEYS["images"], [image_part(data_url(unique_png()))]), "images")
+    # More images in one request than a minute allows: a 400, since waiting would not help.
+    r = _chat(tenants_app, KEYS["images"], [image_part(data_url(unique_png())) for _ in range(IMAGES_PER_MINUTE + 1)])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_images", r.text
     assert _work(tenants_app) == before
     # Other tenants are not limited by it; a text-only request of the same tenant passes.
     assert _chat(tenants_app, KEYS["beta"], [image_part(data_url(unique_png()))]).status_code == 200

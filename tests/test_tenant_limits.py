@@ -111,6 +111,13 @@ async def test_images_per_minute_across_replicas(replicas):
     await admitted(b, "acme", 3)
 
 
+async def test_more_images_than_a_minute_allows_is_a_400_not_a_429(replicas):
+    limiter = replicas({"tenants": {"acme": {"images_per_minute": 3}}}, Clock())
+    err = await refused(limiter, "acme", 4)
+    assert err.status_code == 400 and err.code == "too_many_images" and "at most 3 per minute" in err.message
+    await admitted(limiter, "acme", 3)  # the refused request took nothing from the minute
+
+
 async def test_prompt_tokens_are_charged_when_the_answer_ends(replicas):
     clock = Clock()
     limits = {"default": {"prompt_tokens_per_minute": 100}}
