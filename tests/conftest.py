@@ -151,8 +151,6 @@ def ray_dashboard():
 
     from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
 
-    if ray.is_initialized():  # a local instance some library call started on its own: not this cluster
-        ray.shutdown()
     dashboard_port = free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {CPU_NODE: 1000}, "object_store_memory": 3 << 30,

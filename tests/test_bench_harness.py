@@ -228,22 +228,13 @@ def test_defaultrouter_config_drops_only_the_router(tmp_path):
         systems.iris_config(engine, 1, 8000, cache=True, namespace="x", deployments={"Preproces": {}})
 
 
-@pytest.fixture
-def no_ray_left():
-    """build_openai_app starts a local Ray instance when none is up: shut it down after the test
-    (the session's two-node cluster, conftest's ray_dashboard, is started later)."""
-    import ray
-
-    was_up = ray.is_initialized()
-    yield
-    if not was_up and ray.is_initialized():
-        ray.shutdown()
-
-
-def test_the_ray_serve_llm_peer_builds_in_this_environment(no_ray_left):
+def test_the_ray_serve_llm_peer_builds_in_this_environment(ray_dashboard):
     """The peer's app as the harness deploys it: its import path and router class import, and
     build_openai_app accepts the config (a dependency ray.serve.llm needs but does not declare,
-    pyarrow, once went missing and every comparison ran without the peer)."""
+    pyarrow, once went missing and every comparison ran without the peer).
+
+    On the session's cluster: build_openai_app calls ray.init, which with no cluster up would start
+    a local instance and switch this process to token auth (RAY_AUTH_MODE) for every cluster after."""
     import importlib
 
     from ray.serve import Application
@@ -258,7 +249,7 @@ def test_the_ray_serve_llm_peer_builds_in_this_environment(no_ray_left):
     assert isinstance(getattr(importlib.import_module(module), name)(app["args"]), Application)
 
 
-def test_gpu_configs_ask_for_the_gpu_and_cpu_ones_do_not(no_ray_left):
+def test_gpu_configs_ask_for_the_gpu_and_cpu_ones_do_not(ray_dashboard):  # build_openai_app: see above
     """EngineSettings(gpu=True), as `python -m bench gpu` starts the systems: Iris's VisionEncoder and
     LLMDecode share one GPU (fractions adding up to one, so one GPU holds the app), Ray Serve LLM's
     placement group holds a GPU, `vllm serve` gets the same memory share; the CPU configs ask for none."""
