@@ -90,30 +90,30 @@ def lock_key(key: str) -> str:
 WHOLE = "redis"
 
 
+def connect(config: CacheConfig, client_name: str, **pool) -> Redis | RedisCluster:
+    """A client of `config`'s Redis or Redis Cluster (`pool`: e.g. max_connections), retrying as
+    Iris's Redis users must: a slow or failing Redis fails fast, into each user's own fallback."""
+    settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
+                    client_name=client_name, **pool)
+    if config.redis_cluster:
+        # No retries inside redis-py: its retry closes every master's connections and
+        # sleeps; a failing shard is ours to mark down (the others keep serving), and its
+        # reconnect task reloads the slot map. MOVED/ASK are still followed.
+        return RedisCluster.from_url(config.connect_url(), retry=Retry(NoBackoff(), 0), require_full_coverage=False,
+                                     **settings)
+    # One immediate retry on a connection error covers a pooled connection that died with a
+    # restarted server; timeouts are not retried, since a slow Redis should fail fast.
+    return Redis.from_url(config.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                          **settings)
+
+
 class RedisTier:
     def __init__(self, config: CacheConfig, stats: CacheStats):
         assert config.redis_url is not None
         self._config = config
         self._stats = stats
-        url = config.connect_url()
-        settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
-                        client_name="iris-feature-cache")
-        self._pool: ConnectionPool | None = None
-        if config.redis_cluster:
-            # No retries inside redis-py: its retry closes every master's connections and
-            # sleeps; a failing shard is ours to mark down (the others keep serving), and its
-            # reconnect task reloads the slot map. MOVED/ASK are still followed.
-            self._client: Redis | RedisCluster = RedisCluster.from_url(
-                url, max_connections=config.redis_pool_size, retry=Retry(NoBackoff(), 0),
-                require_full_coverage=False, **settings)
-        else:
-            self._pool = ConnectionPool.from_url(
-                url, max_connections=config.redis_pool_size,
-                # One immediate retry on a connection error covers a pooled
-                # connection that died with a restarted server; timeouts are not
-                # retried, since a slow Redis should fail fast into degraded mode.
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **settings)
-            self._client = Redis(connection_pool=self._pool)
+        self._client = connect(config, "iris-feature-cache", max_connections=config.redis_pool_size)
+        self._pool: ConnectionPool | None = None if config.redis_cluster else self._client.connection_pool
         # Commands queue here rather than exceed the pool, which would raise.
         self._slots = asyncio.Semaphore(config.redis_pool_size)
         self._down: dict[str, asyncio.Task] = {}  # shard -> its reconnect task

@@ -34,13 +34,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
-from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from cache_service.config import CacheConfig
+from cache_service.redis_tier import connect
 from pipeline.errors import IrisError, bad_request
 
 logger = logging.getLogger(__name__)
@@ -191,19 +188,8 @@ class TenantLimiter:
         self.backoff_initial_s, self.backoff_max_s = cache.backoff_initial_s, cache.backoff_max_s
         self._backoff_s = 0.0
         self._retry_at = 0.0  # monotonic time before which Redis is not asked
-        self.redis = self._connect(cache) if limits.any and cache.redis_url else None
+        self.redis = connect(cache, "iris-tenant-limits") if limits.any and cache.redis_url else None
         self.stats = {"redis_admissions": 0, "memory_admissions": 0, "redis_errors": 0}
-
-    @staticmethod
-    def _connect(cache: CacheConfig) -> Redis | RedisCluster:
-        settings = dict(socket_timeout=cache.redis_timeout_s, socket_connect_timeout=cache.redis_connect_timeout_s,
-                        client_name="iris-tenant-limits")
-        if cache.redis_cluster:
-            return RedisCluster.from_url(cache.connect_url(), retry=Retry(NoBackoff(), 0),
-                                         require_full_coverage=False, **settings)
-        # One immediate retry covers a pooled connection that died with a restarted server.
-        return Redis.from_url(cache.connect_url(),
-                              retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **settings)
 
     def ticket(self, tenant: str) -> Ticket:
         return Ticket(tenant, self.limits.of(tenant))
