@@ -158,7 +158,7 @@ def main(argv: list[str]) -> None:
     try:
         for mode, fair_sharing in MODES.items():
             running[mode] = systems.start("iris", 1, engine, log_dir / mode, deployments=PINNED,
-                                          args={"fair_sharing": fair_sharing})
+                                          app_args={"fair_sharing": fair_sharing})
             warm_up(LoadClient(running[mode].base_urls, systems.SERVED_NAME), WorkloadFactory(1))
         run["rounds"] = []
         for i in range(args.rounds):

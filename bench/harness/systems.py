@@ -250,10 +250,10 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
           deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-          status_log: Path | None = None, args: dict | None = None) -> RunningSystem:
+          status_log: Path | None = None, app_args: dict | None = None) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
-    deployment and `args` application args (iris_config), `env` is added to the runner's environment (so to its Ray cluster's),
-    and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
+    deployment and `app_args` application args (iris_config), `env` is added to the runner's
+    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     started = time.monotonic()
@@ -265,7 +265,8 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     if name.startswith("iris"):
         namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
         config = iris_config(engine, replicas, port, cache=name != "iris-nocache", namespace=namespace,
-                             affinity_router=name != "iris-defaultrouter", deployments=deployments, app_args=args)
+                             affinity_router=name != "iris-defaultrouter", deployments=deployments,
+                             app_args=app_args)
         config["applications"][0]["runtime_env"]["env_vars"].update(env or {})
     else:
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
