@@ -10,6 +10,14 @@ Iris / peer are computed within the run.
     python -m bench compare                # the full matrix
     python -m bench compare --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
     python -m bench compare --quick --profile after --name profile_run   # py-spy every process
+    python -m bench compare --rounds 3 --systems iris,rayllm,vllm --replicas 1 --points text-c1,repeat-c1
+
+With --rounds N (2 or more) the systems stay up side by side, each Ray-based one in a
+Ray instance of its own, and take turns: every point runs on each system in turn
+(A, B, C), round after round, the order rotated each round and new images each round.
+Iris / peer ratios are taken per round and reported as the median with its range: a
+shared machine's noise moves whole minutes, so ratios from one round to the next are
+steadier than figures from one system's run to another's.
 
 Writes bench/results/<name>.json (every summary, with the commit, the command and
 the machine), <name>.md (the tables) and <name>_*.png (plots); <name> is `compare`
@@ -61,7 +69,7 @@ FULL = [
     LoadPoint("text_as_image", 16, concurrency=1), LoadPoint("text", 16, concurrency=1),
     LoadPoint("zipf", 24, concurrency=1, sweep=True), LoadPoint("zipf", 48, concurrency=4, sweep=True),
     LoadPoint("zipf", 64, concurrency=8, sweep=True), LoadPoint("zipf", 32, rate=4),
-    LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 32, concurrency=4),
+    LoadPoint("multiturn", 12, concurrency=1), LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 32, concurrency=4),
     LoadPoint("large", 5, concurrency=1),
     # vLLM's own client, as in issue 8: 60 requests, concurrency 4, then the same images again.
     LoadPoint("random_mm", 60, concurrency=4), LoadPoint("random_mm", 60, concurrency=4, options={"again": True}),
@@ -80,33 +88,35 @@ QUICK = [
 
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
-            tokenizer: str, profiler: Profiler | None = None) -> dict:
+            tokenizer: str, profiler: Profiler | None = None, round_: int = 0) -> dict:
     """One load point's results, with the CPU each request cost by process (bench/harness/cpu_usage.py),
-    counted from the load's start to its end (not while counters settle)."""
+    counted from the load's start to its end (not while counters settle). Each round has images of
+    its own (round 0 those of a run without rounds)."""
     meter = cpu_usage.Meter([p.pid for p in system.procs])
-    result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter)
+    result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_)
     result["summary"]["cpu_ms_per_request"] = meter.per_request_ms(result["summary"].get("ok") or 0)
     return result
 
 
 def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
-           tokenizer: str, profiler: Profiler | None, meter: cpu_usage.Meter) -> dict:
+           tokenizer: str, profiler: Profiler | None, meter: cpu_usage.Meter, round_: int) -> dict:
     if point.workload == "random_mm":
+        seed = args.seed + round_  # "-again" runs in the same round as the point it repeats
         if len(system.base_urls) == 1:
             with meter:
                 return {"summary": vllm_bench.run(system.base_urls[0], systems.SERVED_NAME, tokenizer, point.n,
-                                                  point.concurrency, args.seed)}
+                                                  point.concurrency, seed)}
         # vLLM's client drives one URL: independent servers get a round-robin proxy in front.
         with RoundRobinProxy(system.base_urls) as proxy, meter:
-            summary = vllm_bench.run(proxy.url, systems.SERVED_NAME, tokenizer, point.n, point.concurrency,
-                                     args.seed)
+            summary = vllm_bench.run(proxy.url, systems.SERVED_NAME, tokenizer, point.n, point.concurrency, seed)
         return {"summary": summary, "load_balancer": f"round-robin proxy (bench/harness/rr_proxy.py) over "
                 f"{len(system.base_urls)} servers, {proxy.requests} requests forwarded"}
     options = dict(point.options)
     if point.workload == "text_as_image":
         options["image_chars"] = image_chars
     # Each point gets its own images, so "new" images are new to the system at every point.
-    workload = WorkloadFactory(hash_str(f"{args.seed}:{point.name}") % 2 ** 31, factory.small_px,
+    workload_seed = f"{args.seed}:{point.name}" + (f":{round_}" if round_ else "")
+    workload = WorkloadFactory(hash_str(workload_seed) % 2 ** 31, factory.small_px,
                                factory.prompt_words, factory.max_tokens).build(point.workload, point.n, **options)
     client = LoadClient(system.base_urls, systems.SERVED_NAME)
     before = system.counters()
@@ -135,6 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
     parser.add_argument("--replicas", help="decode replica counts, e.g. 1,2 (default: 1,2; --quick: 1)")
     parser.add_argument("--points", help="comma-separated load point names to run (default: all of the plan)")
+    parser.add_argument("--rounds", type=int, default=1, help="2 or more: the systems up side by side, taking "
+                        "turns at every point, round after round; ratios as the median of the rounds' (see above)")
+    parser.add_argument("--ingress", choices=systems.INGRESSES, default="proxy", help="how HTTP reaches Iris and "
+                        "Ray Serve LLM: Serve's Python proxy or the bundled HAProxy with direct ingress (both alike)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every point's request count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
@@ -186,40 +200,20 @@ def run_comparison(args, command: str) -> dict:
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
+    run.update(rounds=args.rounds, ingress=args.ingress)
     # A router variant differs from its base system only when there are replicas to route between.
-    combos = [(s, r) for r in replica_counts for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)]
+    # Without rounds each system runs alone, its points one after another; with rounds, a replica
+    # count's systems run side by side.
     t0 = time.monotonic()
-    bar = tqdm(total=len(combos) * len(plan), unit="point", dynamic_ncols=True)
+    groups = [[s for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)] for r in replica_counts]
+    bar = tqdm(total=sum(len(g) for g in groups) * len(plan) * args.rounds, unit="point", dynamic_ncols=True)
     try:
-        for system_name, replicas in combos:
-            bar.set_description(f"{system_name} x{replicas}: starting")
-            try:
-                system = systems.start(system_name, replicas, engine, log_dir)
-            except Exception as err:  # one system that cannot start does not stop the others
-                run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})
-                for point in plan:
-                    run["results"].append({"system": system_name, "replicas": replicas, "point": point.name,
-                                           "skipped": "did not start (see starts)"})
-                bar.update(len(plan))
-                continue
-            run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
-                                  "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory)})
-            try:
-                for point in plan:
-                    bar.set_description(f"{system_name} x{replicas}: {point.name}")
-                    try:
-                        result = measure(system, point, factory, args, image_chars, checkpoint, profiler)
-                    except Exception as err:
-                        result = {"skipped": f"error: {err}"[-1000:]}
-                    run["results"].append({"system": system_name, "replicas": replicas, "point": point.name,
-                                           "workload": point.workload, "concurrency": point.concurrency,
-                                           "rate": point.rate, "sweep": point.sweep, **result})
-                    bar.update(1)
-            finally:
-                bar.set_description(f"{system_name} x{replicas}: stopping")
-                system.stop()
-            run["duration_s"] = time.monotonic() - t0
-            _save(run, out_dir, name, plots=False)  # partial results survive a crash later on
+        for replicas, group in zip(replica_counts, groups):
+            for batch in ([group] if args.rounds > 1 else [[s] for s in group]):
+                _run_batch(batch, replicas, plan, args, engine, factory, image_chars, checkpoint, log_dir,
+                           profiler, run, bar)
+                run["duration_s"] = time.monotonic() - t0
+                _save(run, out_dir, name, plots=False)  # partial results survive a crash later on
     finally:
         bar.close()
     run["duration_s"] = time.monotonic() - t0
@@ -227,8 +221,50 @@ def run_comparison(args, command: str) -> dict:
     return run
 
 
+def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, engine: systems.EngineSettings,
+               factory: WorkloadFactory, image_chars: int, checkpoint: str, log_dir: Path, profiler: Profiler | None,
+               run: dict, bar) -> None:
+    """Start `names` (all up together), then run the plan's points `args.rounds` times, each point on
+    every system in turn; stop them all. Results and starts go into `run`."""
+    running: dict[str, systems.RunningSystem] = {}
+    try:
+        for system_name in names:
+            bar.set_description(f"{system_name} x{replicas}: starting")
+            try:
+                system = systems.start(system_name, replicas, engine, log_dir, ingress=args.ingress)
+            except Exception as err:  # one system that cannot start does not stop the others
+                run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})
+                continue
+            running[system_name] = system
+            run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
+                                  "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory)})
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            for point in plan:
+                for system_name in order:
+                    bar.set_description(f"{system_name} x{replicas}: {point.name}"
+                                        + (f", round {round_ + 1}/{args.rounds}" if args.rounds > 1 else ""))
+                    entry = {"system": system_name, "replicas": replicas, "point": point.name, "round": round_}
+                    if system_name not in running:
+                        run["results"].append({**entry, "skipped": "did not start (see starts)"})
+                    else:
+                        try:
+                            result = measure(running[system_name], point, factory, args, image_chars, checkpoint,
+                                             profiler, round_)
+                        except Exception as err:
+                            result = {"skipped": f"error: {err}"[-1000:]}
+                        run["results"].append({**entry, "workload": point.workload, "concurrency": point.concurrency,
+                                               "rate": point.rate, "sweep": point.sweep, **result})
+                    bar.update(1)
+    finally:
+        for system_name, system in running.items():
+            bar.set_description(f"{system_name} x{replicas}: stopping")
+            system.stop()
+
+
 def _save(run: dict, out_dir: Path, name: str, plots: bool) -> None:
     run["ratios"] = report.ratios(run["results"])
+    run["ratio_medians"] = report.ratio_medians(run["ratios"])
     path = results.save(run, out_dir / f"{name}.json", report.markdown(run))
     if plots:
         run["plots"] = [p.name for p in report.plots(run, out_dir / name)]

@@ -24,7 +24,7 @@ import torch
 
 from bench.harness import results
 from bench.harness.redis_servers import RedisClusterProcesses, RedisProcess, free_node_port
-from bench.harness.stats import percentile
+from bench.harness.stats import median_and_range, percentile
 from cache_service.codec import Features, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
@@ -98,10 +98,6 @@ async def throughput(url: str, cluster: bool, features: Features, clients: int, 
         await cache.close()
     return {"put_per_s": round(puts, 1), "get_per_s": round(gets, 1),
             "put_MBps": round(puts * value_bytes / 1e6, 1), "get_MBps": round(gets * value_bytes / 1e6, 1)}
-
-
-def median_and_range(values: list[float]) -> dict:
-    return {"median": round(percentile(values, 50), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def capacity(get_per_s: float, bench_value_bytes: int) -> list[dict]:

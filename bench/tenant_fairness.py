@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.harness import results, systems
 from bench.harness.client import LoadClient, RequestRecord, warm_up
-from bench.harness.stats import percentile
+from bench.harness.stats import median_and_range, percentile
 from bench.harness.workloads import WorkloadFactory, hash_str, jpeg_body_b64, large_image_workload
 
 MODES = {"fair": {"enabled": True}, "fifo": {"enabled": False}}
@@ -91,16 +91,11 @@ def run_round(round_index: int, order: list[str], running: dict[str, systems.Run
 
 
 def summarise(rounds: list[dict]) -> dict:
-    def spread(values):
-        values = [v for v in values if v is not None]
-        return {"median": round(percentile(values, 50), 3) if values else None,
-                "min": min(values, default=None), "max": max(values, default=None)}
-
     return {
-        "b_flood_fair_over_fifo": spread([r["b_flood_fair_over_fifo"] for r in rounds]),
-        **{f"b_{phase}_{mode}_p50_ms": spread([r[mode][phase]["b_ttft_p50_ms"] for r in rounds])
+        "b_flood_fair_over_fifo": median_and_range([r["b_flood_fair_over_fifo"] for r in rounds]),
+        **{f"b_{phase}_{mode}_p50_ms": median_and_range([r[mode][phase]["b_ttft_p50_ms"] for r in rounds])
            for mode in MODES for phase in ("alone", "flood")},
-        **{f"a_images_per_s_{mode}": spread([r[mode]["flood"]["a_images_per_s"] for r in rounds]) for mode in MODES},
+        **{f"a_images_per_s_{mode}": median_and_range([r[mode]["flood"]["a_images_per_s"] for r in rounds]) for mode in MODES},
         "target_met": None,  # set below: the median ratio at most 0.5
     }
 

@@ -581,6 +581,41 @@ def test_report_gives_whole_answer_latency_and_output_tokens_per_second_with_rat
     assert "| unique-c1 | vllm | 0.50 | 0.50 | 0.50 | 0.50 | 0.50 | 2.00 | 2.00 |" in md
 
 
+def test_rounds_give_per_round_ratios_reported_as_their_median_and_range():
+    """`compare --rounds N`: Iris / peer is taken within each round (systems measured in turn, minutes
+    apart at most), then reported as the median with its range; a system's figures in the tables are
+    the median of its rounds', its failures summed."""
+    from bench.harness import report
+    from bench.harness.client import RequestRecord
+
+    def summary(latency_s: float, failed: int = 0) -> dict:
+        ok = [RequestRecord(i, 0, 0.0, True, 200, latency_s / 2, latency_s, 8) for i in range(3)]
+        return report.summarize(ok + [RequestRecord(9, 0, 0.0, False, 500)] * failed, 1.0, 3, None)
+
+    # A noisy machine: round 1 is slow for everyone; Iris's ratio stays 0.5, 0.8, 0.6.
+    latencies = {"iris": [0.5, 4.0, 0.6], "rayllm": [1.0, 5.0, 1.0]}
+    results = [{"system": system, "replicas": 1, "point": "text-c1", "round": r,
+                "summary": summary(latency, failed=int(system == "iris" and r == 2))}
+               for r in range(3) for system, series in latencies.items() for latency in [series[r]]]
+    rows = report.ratios(results)
+    assert [(row["round"], round(row["latency_p50"], 3)) for row in rows] == [(0, 0.5), (1, 0.8), (2, 0.6)]
+    (medians,) = report.ratio_medians(rows)
+    assert medians["rounds"] == 3 and medians["peer"] == "rayllm"
+    assert medians["latency_p50"] == {"median": 0.6, "min": 0.5, "max": 0.8}
+    assert medians["ttft_p50"]["median"] == 0.6
+
+    machine = {"cpus": 2, "description": "2-CPU x86_64 machine with 24 GiB, no GPU"}
+    md = report.markdown({"commit": "abc", "command": "c", "started": "now", "machine": machine, "model": "m",
+                          "duration_s": 60, "systems": ["iris", "rayllm"], "results": results, "rounds": 3,
+                          "ingress": "proxy", "ratios": rows, "ratio_medians": [medians]})
+    assert "3 rounds, the systems up side by side" in md
+    # Iris's p50 TTFT is the median of 250, 2000 and 300 ms, its p50 e2e that of 500, 4000 and 600 ms;
+    # its one failure (round 2) is counted once.
+    assert "| text-c1 | 300 / 300 / 3.0 (1 failed) | 500 / 500 / 3.0 |" in md
+    assert "| text-c1 | 600 / 600 / " in md and "| iris | 1 | text-c1 | 3 |" in md
+    assert "| text-c1 | rayllm | 0.60 (0.50–0.80) |" in md
+
+
 def test_percentile_interpolates_between_ranks():
     import numpy as np
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.harness.client import RequestRecord
 from bench.harness.metrics import Counters
 from bench.harness.results import label
-from bench.harness.stats import distribution
+from bench.harness.stats import distribution, median_and_range
 
 IRIS = "iris"
 PEERS = ("rayllm", "rayllm-affinity", "vllm")
@@ -51,31 +51,75 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
 
 
 def _index(results: list[dict]) -> dict[tuple[str, int, str], dict]:
-    """(system, replicas, point) -> the measured result."""
-    return {(r["system"], r["replicas"], r["point"]): r for r in results if r.get("summary")}
+    """(system, replicas, point) -> the measured result; over several rounds, one whose summary
+    holds the median of the rounds' figures (failures summed)."""
+    grouped: dict[tuple[str, int, str], list[dict]] = {}
+    for r in results:
+        if r.get("summary"):
+            grouped.setdefault((r["system"], r["replicas"], r["point"]), []).append(r)
+    return {key: rs[0] if len(rs) == 1 else {**rs[0], "summary": _median_summary([r["summary"] for r in rs])}
+            for key, rs in grouped.items()}
+
+
+_SUMMED = ("requests", "ok", "failed", "resent")
+
+
+def _median_summary(summaries: list[dict]) -> dict:
+    """Each number the median of the summaries' (counts summed), nested dicts alike; other values the first's."""
+    out = {}
+    for key, first in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(first, dict):
+            out[key] = _median_summary([v if isinstance(v, dict) else {} for v in values])
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            numbers = [v for v in values if isinstance(v, (int, float))]
+            out[key] = sum(numbers) if key in _SUMMED else statistics.median(numbers) if numbers else None
+        else:
+            out[key] = first
+    return out
+
+
+RATIO_METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "latency_p50", "latency_p90", "req_per_s", "output_tokens_per_s")
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """Iris / peer for each load point and replica count, from the same run."""
-    index = _index(results)
+    """Iris / peer for each load point, replica count and round, from the same run."""
     rows = []
-    for (system, replicas, point), iris in index.items():
-        if system != IRIS:
-            continue
-        for peer in PEERS:
-            other = index.get((peer, replicas, point))
-            if other is None:
+    for round_ in sorted({r.get("round", 0) for r in results}):
+        index = _index([r for r in results if r.get("round", 0) == round_])
+        for (system, replicas, point), iris in index.items():
+            if system != IRIS:
                 continue
-            a, b = iris["summary"], other["summary"]
-            rows.append({"point": point, "replicas": replicas, "peer": peer,
-                         "ttft_p50": _ratio(_get(a, "ttft_ms", "p50"), _get(b, "ttft_ms", "p50")),
-                         "ttft_p90": _ratio(_get(a, "ttft_ms", "p90"), _get(b, "ttft_ms", "p90")),
-                         "tpot_p50": _ratio(_get(a, "tpot_ms", "p50"), _get(b, "tpot_ms", "p50")),
-                         "latency_p50": _ratio(_get(a, "latency_ms", "p50"), _get(b, "latency_ms", "p50")),
-                         "latency_p90": _ratio(_get(a, "latency_ms", "p90"), _get(b, "latency_ms", "p90")),
-                         "req_per_s": _ratio(a.get("req_per_s"), b.get("req_per_s")),
-                         "output_tokens_per_s": _ratio(a.get("output_tokens_per_s"), b.get("output_tokens_per_s"))})
+            for peer in PEERS:
+                other = index.get((peer, replicas, point))
+                if other is None:
+                    continue
+                a, b = iris["summary"], other["summary"]
+                rows.append({"point": point, "replicas": replicas, "peer": peer, "round": round_,
+                             "ttft_p50": _ratio(_get(a, "ttft_ms", "p50"), _get(b, "ttft_ms", "p50")),
+                             "ttft_p90": _ratio(_get(a, "ttft_ms", "p90"), _get(b, "ttft_ms", "p90")),
+                             "tpot_p50": _ratio(_get(a, "tpot_ms", "p50"), _get(b, "tpot_ms", "p50")),
+                             "latency_p50": _ratio(_get(a, "latency_ms", "p50"), _get(b, "latency_ms", "p50")),
+                             "latency_p90": _ratio(_get(a, "latency_ms", "p90"), _get(b, "latency_ms", "p90")),
+                             "req_per_s": _ratio(a.get("req_per_s"), b.get("req_per_s")),
+                             "output_tokens_per_s": _ratio(a.get("output_tokens_per_s"),
+                                                           b.get("output_tokens_per_s"))})
     return rows
+
+
+def ratio_medians(rows: list[dict]) -> list[dict]:
+    """The per-round ratios of each (point, replicas, peer) as {metric: {median, min, max}} and the
+    number of rounds: a target counts as met when the median meets it."""
+    grouped: dict[tuple, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["point"], row["replicas"], row["peer"]), []).append(row)
+    out = []
+    for (point, replicas, peer), group in grouped.items():
+        entry = {"point": point, "replicas": replicas, "peer": peer, "rounds": len(group)}
+        for metric in RATIO_METRICS:
+            entry[metric] = median_and_range(row.get(metric) for row in group)
+        out.append(entry)
+    return out
 
 
 def _get(summary: dict, metric: str, stat: str):
@@ -85,6 +129,12 @@ def _get(summary: dict, metric: str, stat: str):
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def _ratio_cell(ratio: dict | None, spread: bool) -> str:
+    if ratio is None or ratio["median"] is None:
+        return "–"
+    return f"{ratio['median']:.2f}" + (f" ({ratio['min']:.2f}–{ratio['max']:.2f})" if spread else "")
 
 
 def _fmt(value, digits: int = 0) -> str:
@@ -111,6 +161,9 @@ def markdown(run: dict) -> str:
     lines = [f"# Iris vs Ray Serve LLM vs `vllm serve` ({run['model']})", "",
              f"Figures from a {machine['description']}; commit `{run['commit']}`; {run['started']}; "
              f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
+             *([f"{run['rounds']} rounds, the systems up side by side and taking turns at each point; the "
+                "figures per system are the median of the rounds'.", ""] if run.get("rounds", 1) > 1 else []),
+             *([f"Ray-based systems reached through: {run['ingress']}.", ""] if run.get("ingress") else []),
              "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
              "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", "",
              "Whole answers (the second table of each section): p50 end-to-end latency ms / p90 end-to-end ms / "
@@ -131,17 +184,19 @@ def markdown(run: dict) -> str:
                   *_table(points, systems, lambda system, point: index.get((system, replicas, point)),
                           whole_answer_cell)]
         lines.append("")
-        rows = [x for x in run["ratios"] if x["replicas"] == replicas]
+        rows = [x for x in run.get("ratio_medians") or ratio_medians(run["ratios"]) if x["replicas"] == replicas]
         if rows:
+            several = any(x["rounds"] > 1 for x in rows)
             lines += ["Iris / peer, same run (below 1 is Iris faster for TTFT, TPOT and end-to-end latency; above 1 "
-                      "is Iris faster for req/s and output tok/s):", "",
-                      "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "is Iris faster for req/s and output tok/s)" + (
+                          ": the median of the rounds' ratios, its range in brackets" if several else "") + ":", "",
+                      "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |"
+                      + (" rounds |" if several else ""),
+                      "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
             for x in rows:
-                lines.append(f"| {x['point']} | {x['peer']} | {_fmt(x['ttft_p50'], 2)} | {_fmt(x['ttft_p90'], 2)} | "
-                             f"{_fmt(x['tpot_p50'], 2)} | {_fmt(x.get('latency_p50'), 2)} | "
-                             f"{_fmt(x.get('latency_p90'), 2)} | {_fmt(x['req_per_s'], 2)} | "
-                             f"{_fmt(x.get('output_tokens_per_s'), 2)} |")
+                cells = [_ratio_cell(x.get(metric), several) for metric in RATIO_METRICS]
+                lines.append(f"| {x['point']} | {x['peer']} | " + " | ".join(cells) + " |"
+                             + (f" {x['rounds']} |" if several else ""))
             lines.append("")
     lines += ["## Encoder runs per distinct image, prefix-cache hit rate per replica", "",
               "Iris counts its VisionEncoder's computations; the vLLM-based peers, their multimodal "
@@ -151,7 +206,7 @@ def markdown(run: dict) -> str:
               "| system | replicas | load point | distinct images | encoder runs / image | prefix hit rate "
               "(by replica) | load share by replica |",
               "|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in index.values():  # over several rounds, the median of the rounds'
         s = r["summary"]
         if not s.get("distinct_images"):
             continue

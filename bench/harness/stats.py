@@ -28,6 +28,16 @@ def distribution(values: list[float], scale: float = 1.0, qs: tuple[int, ...] = 
     return out
 
 
+def median_and_range(values: Iterable[float | None], digits: int = 3) -> dict:
+    """{"median", "min", "max"} of the values that are not None (rounded; None for none): how the
+    benchmarks that alternate systems in rounds report a per-round ratio."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(percentile(present, 50), digits), "min": round(min(present), digits),
+            "max": round(max(present), digits)}
+
+
 def _scaled(value: float | None, scale: float) -> float | None:
     return None if value is None else value * scale
 
