@@ -229,13 +229,14 @@ class Ingress:
         task.add_done_callback(self._releasing.discard)
         await asyncio.shield(task)
 
-    @staticmethod
-    async def _charged(chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
-        """The chunks, noting the prompt tokens the last one reports on the ticket."""
+    async def _charged(self, chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
+        """The chunks; the last one's prompt tokens are charged and the ticket given back before it
+        goes on, so before the client reads [DONE] (its next request may follow at once)."""
         try:
             async for chunk in chunks:
                 if chunk.done:
                     ticket.prompt_tokens = chunk.prompt_tokens
+                    await self._release(ticket)
                 yield chunk
         finally:
             await chunks.aclose()
@@ -266,10 +267,9 @@ class Ingress:
         return _json(render(answer), headers)
 
     async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator, ticket: Ticket):
-        """A streamed answer's body: the events, then [DONE]. Once the stream has started, an
-        error (the engine's, the deadline, a dead replica) is reported in-band, as OpenAI does.
-        The ticket goes back before [DONE] (a client's next request may follow at once), or when
-        the stream closes otherwise (the client left)."""
+        """A streamed answer's body: the events, [DONE] last. Once the stream has started, an error
+        (the engine's, the deadline, a dead replica) is reported in-band, as OpenAI does. The
+        ticket goes back with the last chunk (_charged), or when the stream closes otherwise."""
         try:
             try:
                 async for event in events:
@@ -277,9 +277,7 @@ class Ingress:
                 self.metrics.outcome("ok")
             except Exception as err:
                 error = self._failure(err, "stream failed")
-                yield openai_format.sse(error.to_dict())
-            await self._release(ticket)
-            yield openai_format.DONE
+                yield openai_format.sse(error.to_dict()) + openai_format.DONE
         finally:
             try:
                 await events.aclose()

@@ -129,23 +129,24 @@ class Answer:
 
 async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str, n: int,
                       include_usage: bool) -> AsyncIterator[str]:
-    """A chat answer's events, [DONE] aside: the role first, then the deltas, then the usage
-    when asked for; the fields vLLM's serving code sets on each. Raises the engine's error
-    should a chunk carry it."""
+    """A chat answer's events: the role first, then the deltas, then the usage when asked for,
+    then [DONE]; the fields vLLM's serving code sets on each. One string per chunk, with every
+    event the chunk makes (Serve's proxy sends each string as a message of its own: fewer is
+    faster). Raises the engine's error should a chunk carry it."""
     created = int(time.time())
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:  # unset fields are left out
         return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
                                                 model=model, choices=choices, **extra), exclude_none)
 
-    for i in range(n):
-        yield event([ChatCompletionResponseStreamChoice(
-            index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-            prompt_token_ids=None, prompt_text=None)
+    roles = [event([ChatCompletionResponseStreamChoice(
+        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+        prompt_token_ids=None, prompt_text=None) for i in range(n)]
     fingerprint = None
     async for c in chunks:
         if c.error:
             raise c.error
+        events, roles = roles, []
         if c.text or c.finish_reason or c.logprobs:
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
@@ -157,14 +158,20 @@ async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model
                 fingerprint = c.system_fingerprint
                 if fingerprint is not None and not include_usage:
                     extra["system_fingerprint"] = fingerprint
-            yield event([choice], **extra)
+            events.append(event([choice], **extra))
         if c.done and include_usage:
-            yield event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint)
+            events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
+        if c.done:
+            yield "".join(events) + DONE
+            return
+        if events:
+            yield "".join(events)
+    yield "".join(roles) + DONE  # a stream that ended without its last chunk
 
 
 async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
                       include_usage: bool) -> AsyncIterator[str]:
-    """A /v1/completions answer's events, [DONE] aside."""
+    """A /v1/completions answer's events, [DONE] last; one string per chunk, as chat_events."""
     created = int(time.time())
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:
@@ -175,15 +182,22 @@ async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model
     async for c in chunks:
         if c.error:
             raise c.error
+        events = []
         if c.text or c.finish_reason or c.logprobs:
             extra = {}
             if c.finish_reason is not None:
                 fingerprint = c.system_fingerprint
                 if fingerprint is not None and not include_usage:
                     extra["system_fingerprint"] = fingerprint
-            yield event([CompletionResponseStreamChoice(
+            events.append(event([CompletionResponseStreamChoice(
                 index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs),
-                prompt_token_ids=None, token_ids=None)], **extra)
+                prompt_token_ids=None, token_ids=None)], **extra))
         if c.done and include_usage:
-            yield event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint)
+            events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
+        if c.done:
+            yield "".join(events) + DONE
+            return
+        if events:
+            yield "".join(events)
+    yield DONE  # a stream that ended without its last chunk

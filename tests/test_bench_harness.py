@@ -612,7 +612,7 @@ def test_rounds_give_per_round_ratios_reported_as_their_median_and_range():
     # Iris's p50 TTFT is the median of 250, 2000 and 300 ms, its p50 e2e that of 500, 4000 and 600 ms;
     # its one failure (round 2) is counted once.
     assert "| text-c1 | 300 / 300 / 3.0 (1 failed) | 500 / 500 / 3.0 |" in md
-    assert "| text-c1 | 600 / 600 / " in md and "| iris | 1 | text-c1 | 3 |" in md
+    assert "| text-c1 | 600 / 600 / " in md and "| iris | 1 | text-c1 | 9 |" in md  # 3 new images a round
     assert "| text-c1 | rayllm | 0.60 (0.50–0.80) |" in md
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.harness.client import RequestRecord
 from bench.harness.metrics import Counters
 from bench.harness.results import label
-from bench.harness.stats import distribution, median_and_range
+from bench.harness.stats import distribution, median_and_range, percentile
 
 IRIS = "iris"
 PEERS = ("rayllm", "rayllm-affinity", "vllm")
@@ -61,7 +61,7 @@ def _index(results: list[dict]) -> dict[tuple[str, int, str], dict]:
             for key, rs in grouped.items()}
 
 
-_SUMMED = ("requests", "ok", "failed", "resent")
+_SUMMED = ("requests", "ok", "failed", "resent", "distinct_images", "encoder_runs")  # each round has its own images
 
 
 def _median_summary(summaries: list[dict]) -> dict:
@@ -73,7 +73,7 @@ def _median_summary(summaries: list[dict]) -> dict:
             out[key] = _median_summary([v if isinstance(v, dict) else {} for v in values])
         elif isinstance(first, (int, float)) and not isinstance(first, bool):
             numbers = [v for v in values if isinstance(v, (int, float))]
-            out[key] = sum(numbers) if key in _SUMMED else statistics.median(numbers) if numbers else None
+            out[key] = sum(numbers) if key in _SUMMED else percentile(numbers, 50)
         else:
             out[key] = first
     return out
