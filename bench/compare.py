@@ -147,8 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--points", help="comma-separated load point names to run (default: all of the plan)")
     parser.add_argument("--rounds", type=int, default=1, help="2 or more: the systems up side by side, taking "
                         "turns at every point, round after round; ratios as the median of the rounds' (see above)")
-    parser.add_argument("--ingress", choices=systems.INGRESSES, default="proxy", help="how HTTP reaches Iris and "
-                        "Ray Serve LLM: Serve's Python proxy or the bundled HAProxy with direct ingress (both alike)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every point's request count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
@@ -176,7 +174,7 @@ def run_comparison(args, command: str) -> dict:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     names = (args.systems.split(",") if args.systems else
-             ["iris", "rayllm", "vllm"] if args.quick else list(systems.SYSTEMS))
+             ["iris", "rayllm", "vllm"] if args.quick else [s for s in systems.SYSTEMS if not s.endswith("-haproxy")])
     replica_counts = [int(x) for x in (args.replicas or ("1" if args.quick else "1,2")).split(",")]
     plan = VIDEO if args.video else QUICK if args.quick else FULL
     if args.points:
@@ -200,7 +198,7 @@ def run_comparison(args, command: str) -> dict:
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
-    run.update(rounds=args.rounds, ingress=args.ingress)
+    run["rounds"] = args.rounds
     # A router variant differs from its base system only when there are replicas to route between.
     # Without rounds each system runs alone, its points one after another; with rounds, a replica
     # count's systems run side by side.
@@ -231,7 +229,7 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
         for system_name in names:
             bar.set_description(f"{system_name} x{replicas}: starting")
             try:
-                system = systems.start(system_name, replicas, engine, log_dir, ingress=args.ingress)
+                system = systems.start(system_name, replicas, engine, log_dir)
             except Exception as err:  # one system that cannot start does not stop the others
                 run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})
                 continue

@@ -607,13 +607,35 @@ def test_rounds_give_per_round_ratios_reported_as_their_median_and_range():
     machine = {"cpus": 2, "description": "2-CPU x86_64 machine with 24 GiB, no GPU"}
     md = report.markdown({"commit": "abc", "command": "c", "started": "now", "machine": machine, "model": "m",
                           "duration_s": 60, "systems": ["iris", "rayllm"], "results": results, "rounds": 3,
-                          "ingress": "proxy", "ratios": rows, "ratio_medians": [medians]})
+                          "ratios": rows, "ratio_medians": [medians]})
     assert "3 rounds, the systems up side by side" in md
     # Iris's p50 TTFT is the median of 250, 2000 and 300 ms, its p50 e2e that of 500, 4000 and 600 ms;
     # its one failure (round 2) is counted once.
     assert "| text-c1 | 300 / 300 / 3.0 (1 failed) | 500 / 500 / 3.0 |" in md
     assert "| text-c1 | 600 / 600 / " in md and "| iris | 1 | text-c1 | 9 |" in md  # 3 new images a round
     assert "| text-c1 | rayllm | 0.60 (0.50–0.80) |" in md
+
+
+def test_haproxy_variants_get_files_and_ports_of_their_own_and_their_ratios(tmp_path):
+    """iris-haproxy and rayllm-haproxy run side by side with the others: each HAProxy gets its own
+    files (the admin socket's path within a unix socket's 107 bytes), metrics and stats ports, and
+    direct-ingress port range; Iris behind HAProxy is compared with every peer."""
+    from bench.harness import report, systems
+
+    assert {"iris-haproxy", "rayllm-haproxy"} <= set(systems.SYSTEMS)
+    a, b = systems.haproxy_env(tmp_path / "a"), systems.haproxy_env(tmp_path / "b")
+    assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith(str(tmp_path / "a"))
+    for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                "RAY_SERVE_HAPROXY_STATS_PORT"):
+        assert a[key] != b[key], key
+    low, high = int(a["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]), int(a["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
+    assert 30000 <= low < high < int(a["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) < 65536
+    summary = report.summarize([], 1.0, 0, None) | {"req_per_s": 2.0}
+    results = [{"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
+               for name in ("iris", "iris-haproxy", "rayllm", "rayllm-haproxy")]
+    assert sorted((r["system"], r["peer"]) for r in report.ratios(results)) == [
+        ("iris", "rayllm"), ("iris", "rayllm-haproxy"), ("iris-haproxy", "rayllm"), ("iris-haproxy", "rayllm-haproxy")]
 
 
 def test_percentile_interpolates_between_ranks():

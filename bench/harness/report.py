@@ -10,8 +10,8 @@ from bench.harness.metrics import Counters
 from bench.harness.results import label
 from bench.harness.stats import distribution, median_and_range, percentile
 
-IRIS = "iris"
-PEERS = ("rayllm", "rayllm-affinity", "vllm")
+IRIS = ("iris", "iris-haproxy")  # each against each peer
+PEERS = ("rayllm", "rayllm-affinity", "rayllm-haproxy", "vllm")
 
 
 def summarize(records: list[RequestRecord], duration_s: float, distinct_images: int,
@@ -88,14 +88,14 @@ def ratios(results: list[dict]) -> list[dict]:
     for round_ in sorted({r.get("round", 0) for r in results}):
         index = _index([r for r in results if r.get("round", 0) == round_])
         for (system, replicas, point), iris in index.items():
-            if system != IRIS:
+            if system not in IRIS:
                 continue
             for peer in PEERS:
                 other = index.get((peer, replicas, point))
                 if other is None:
                     continue
                 a, b = iris["summary"], other["summary"]
-                rows.append({"point": point, "replicas": replicas, "peer": peer, "round": round_,
+                rows.append({"point": point, "replicas": replicas, "system": system, "peer": peer, "round": round_,
                              "ttft_p50": _ratio(_get(a, "ttft_ms", "p50"), _get(b, "ttft_ms", "p50")),
                              "ttft_p90": _ratio(_get(a, "ttft_ms", "p90"), _get(b, "ttft_ms", "p90")),
                              "tpot_p50": _ratio(_get(a, "tpot_ms", "p50"), _get(b, "tpot_ms", "p50")),
@@ -108,14 +108,14 @@ def ratios(results: list[dict]) -> list[dict]:
 
 
 def ratio_medians(rows: list[dict]) -> list[dict]:
-    """The per-round ratios of each (point, replicas, peer) as {metric: {median, min, max}} and the
-    number of rounds: a target counts as met when the median meets it."""
+    """The per-round ratios of each (point, replicas, Iris system, peer) as {metric: {median, min,
+    max}} and the number of rounds: a target counts as met when the median meets it."""
     grouped: dict[tuple, list[dict]] = {}
     for row in rows:
-        grouped.setdefault((row["point"], row["replicas"], row["peer"]), []).append(row)
+        grouped.setdefault((row["point"], row["replicas"], row.get("system", "iris"), row["peer"]), []).append(row)
     out = []
-    for (point, replicas, peer), group in grouped.items():
-        entry = {"point": point, "replicas": replicas, "peer": peer, "rounds": len(group)}
+    for (point, replicas, system, peer), group in grouped.items():
+        entry = {"point": point, "replicas": replicas, "system": system, "peer": peer, "rounds": len(group)}
         for metric in RATIO_METRICS:
             entry[metric] = median_and_range(row.get(metric) for row in group)
         out.append(entry)
@@ -163,7 +163,6 @@ def markdown(run: dict) -> str:
              f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
              *([f"{run['rounds']} rounds, the systems up side by side and taking turns at each point; the "
                 "figures per system are the median of the rounds'.", ""] if run.get("rounds", 1) > 1 else []),
-             *([f"Ray-based systems reached through: {run['ingress']}.", ""] if run.get("ingress") else []),
              "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
              "TTFT is measured at the first streamed chunk, as vLLM's bench client does.", "",
              "Whole answers (the second table of each section): p50 end-to-end latency ms / p90 end-to-end ms / "
@@ -195,7 +194,8 @@ def markdown(run: dict) -> str:
                       "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
             for x in rows:
                 cells = [_ratio_cell(x.get(metric), several) for metric in RATIO_METRICS]
-                lines.append(f"| {x['point']} | {x['peer']} | " + " | ".join(cells) + " |"
+                peer = x["peer"] if x.get("system", "iris") == "iris" else f"{x['system']} / {x['peer']}"
+                lines.append(f"| {x['point']} | {peer} | " + " | ".join(cells) + " |"
                              + (f" {x['rounds']} |" if several else ""))
             lines.append("")
     lines += ["## Encoder runs per distinct image, prefix-cache hit rate per replica", "",

