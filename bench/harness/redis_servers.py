@@ -24,14 +24,18 @@ class RedisProcess:
         self.url = f"redis://127.0.0.1:{port}/0"
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
+        # A directory of its own: a replica's full sync writes an RDB file there, and a server started
+        # where another left one loads it first (answering LOADING meanwhile: 150 MB took seconds).
+        self.dir = tempfile.mkdtemp(prefix=f"iris-redis-{port}-")
 
     def start(self) -> None:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.extra_args],
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            cwd=tempfile.gettempdir(),  # a replica's full sync writes an RDB file there, not in the checkout
+            cwd=self.dir,
         )
         deadline = time.monotonic() + 5
         while True:  # up once the port accepts connections
