@@ -196,9 +196,8 @@ def run_comparison(args, command: str) -> dict:
     run = {**results.provenance(command), "model": args.model, "checkpoint": checkpoint, "dtype": dtype,
            "seed": args.seed, "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
-           "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+           "rounds": args.rounds, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
-    run["rounds"] = args.rounds
     # A router variant differs from its base system only when there are replicas to route between.
     # Without rounds each system runs alone, its points one after another; with rounds, a replica
     # count's systems run side by side.

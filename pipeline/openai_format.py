@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -127,26 +127,39 @@ class Answer:
 
 # --- streams ------------------------------------------------------------------------
 
-async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str, n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """A chat answer's events: the role first, then the deltas, then the usage when asked for,
-    then [DONE]; the fields vLLM's serving code sets on each. One string per chunk, with every
-    event the chunk makes (Serve's proxy sends each string as a message of its own: fewer is
-    faster). Raises the engine's error should a chunk carry it."""
+async def _messages(chunks: AsyncIterator[DecodeChunk], chunk_events: Callable[[DecodeChunk], list[str]],
+                    first: list[str]) -> AsyncIterator[str]:
+    """A stream's messages: one per chunk, every event `chunk_events` makes of it joined (Serve's
+    proxy sends each string as a message of its own: fewer is faster), `first` before the first
+    chunk's; [DONE] ends the last chunk's, or the stream should the last chunk never come. Raises
+    the engine's error should a chunk carry it."""
+    pending = first
+    async for c in chunks:
+        if c.error:
+            raise c.error
+        events, pending = pending + chunk_events(c), []
+        if c.done:
+            yield "".join(events) + DONE
+            return
+        if events:
+            yield "".join(events)
+    yield "".join(pending) + DONE
+
+
+def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str, n: int,
+                include_usage: bool) -> AsyncIterator[str]:
+    """A chat answer's events, in messages as _messages: the role first, then the deltas, then
+    the usage when asked for, then [DONE]; the fields vLLM's serving code sets on each."""
     created = int(time.time())
+    fingerprint = None
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:  # unset fields are left out
         return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
                                                 model=model, choices=choices, **extra), exclude_none)
 
-    roles = [event([ChatCompletionResponseStreamChoice(
-        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-        prompt_token_ids=None, prompt_text=None) for i in range(n)]
-    fingerprint = None
-    async for c in chunks:
-        if c.error:
-            raise c.error
-        events, roles = roles, []
+    def chunk_events(c: DecodeChunk) -> list[str]:
+        nonlocal fingerprint
+        events = []
         if c.text or c.finish_reason or c.logprobs:
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
@@ -161,27 +174,26 @@ async def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model
             events.append(event([choice], **extra))
         if c.done and include_usage:
             events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
-        if c.done:
-            yield "".join(events) + DONE
-            return
-        if events:
-            yield "".join(events)
-    yield "".join(roles) + DONE  # a stream that ended without its last chunk
+        return events
+
+    roles = [event([ChatCompletionResponseStreamChoice(
+        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+        prompt_token_ids=None, prompt_text=None) for i in range(n)]
+    return _messages(chunks, chunk_events, roles)
 
 
-async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """A /v1/completions answer's events, [DONE] last; one string per chunk, as chat_events."""
+def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
+                include_usage: bool) -> AsyncIterator[str]:
+    """A /v1/completions answer's events, in messages as _messages, [DONE] last."""
     created = int(time.time())
+    fingerprint = None
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:
         return sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
                                             model=model, choices=choices, **extra), exclude_none)
 
-    fingerprint = None
-    async for c in chunks:
-        if c.error:
-            raise c.error
+    def chunk_events(c: DecodeChunk) -> list[str]:
+        nonlocal fingerprint
         events = []
         if c.text or c.finish_reason or c.logprobs:
             extra = {}
@@ -195,9 +207,6 @@ async def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model
                 prompt_token_ids=None, token_ids=None)], **extra))
         if c.done and include_usage:
             events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
-        if c.done:
-            yield "".join(events) + DONE
-            return
-        if events:
-            yield "".join(events)
-    yield DONE  # a stream that ended without its last chunk
+        return events
+
+    return _messages(chunks, chunk_events, [])
