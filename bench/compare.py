@@ -69,8 +69,8 @@ FULL = [
     LoadPoint("text_as_image", 16, concurrency=1), LoadPoint("text", 16, concurrency=1),
     LoadPoint("zipf", 24, concurrency=1, sweep=True), LoadPoint("zipf", 48, concurrency=4, sweep=True),
     LoadPoint("zipf", 64, concurrency=8, sweep=True), LoadPoint("zipf", 32, rate=4),
-    LoadPoint("multiturn", 12, concurrency=1), LoadPoint("multiturn", 24, concurrency=4), LoadPoint("upload_free", 32, concurrency=4),
-    LoadPoint("large", 5, concurrency=1),
+    LoadPoint("multiturn", 12, concurrency=1), LoadPoint("multiturn", 24, concurrency=4),
+    LoadPoint("upload_free", 32, concurrency=4), LoadPoint("large", 5, concurrency=1),
     # vLLM's own client, as in issue 8: 60 requests, concurrency 4, then the same images again.
     LoadPoint("random_mm", 60, concurrency=4), LoadPoint("random_mm", 60, concurrency=4, options={"again": True}),
 ]
