@@ -55,18 +55,22 @@ class LoadPoint:
     rate: float | None = None  # open loop: Poisson arrivals per second
     options: dict = field(default_factory=dict, hash=False)
     sweep: bool = False  # part of the latency-vs-load curve
+    stream: bool = True  # False: whole answers (`"stream": false`), named `...-whole`
 
     @property
     def name(self) -> str:
         if self.workload == "random_mm":
             return f"random_mm-c{self.concurrency}" + ("-again" if self.options.get("again") else "")
-        return f"{self.workload}-" + (f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}")
+        return (f"{self.workload}-" + (f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}")
+                + ("" if self.stream else "-whole"))
 
 
 FULL = [
     LoadPoint("unique", 16, concurrency=1), LoadPoint("unique", 32, concurrency=4),
     LoadPoint("repeat", 16, concurrency=1),
     LoadPoint("text_as_image", 16, concurrency=1), LoadPoint("text", 16, concurrency=1),
+    # Answers read whole (non-streamed): only the end-to-end latency counts.
+    LoadPoint("text", 16, concurrency=1, stream=False), LoadPoint("repeat", 16, concurrency=1, stream=False),
     LoadPoint("zipf", 24, concurrency=1, sweep=True), LoadPoint("zipf", 48, concurrency=4, sweep=True),
     LoadPoint("zipf", 64, concurrency=8, sweep=True), LoadPoint("zipf", 32, rate=4),
     LoadPoint("multiturn", 12, concurrency=1), LoadPoint("multiturn", 24, concurrency=4),
@@ -118,7 +122,7 @@ def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFac
     workload_seed = f"{args.seed}:{point.name}" + (f":{round_}" if round_ else "")
     workload = WorkloadFactory(hash_str(workload_seed) % 2 ** 31, factory.small_px,
                                factory.prompt_words, factory.max_tokens).build(point.workload, point.n, **options)
-    client = LoadClient(system.base_urls, systems.SERVED_NAME)
+    client = LoadClient(system.base_urls, systems.SERVED_NAME, stream=point.stream)
     before = system.counters()
     profiling = profiler is not None and point.name in PROFILED_POINTS
     if profiling:
@@ -181,7 +185,8 @@ def run_comparison(args, command: str) -> dict:
         wanted = set(args.points.split(","))
         plan = [p for p in plan + [p for p in FULL + QUICK + VIDEO if p not in plan] if p.name in wanted]
         plan = list({p.name: p for p in plan}.values())
-    plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep)
+    plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep,
+                      p.stream)
             for p in plan]
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)

@@ -354,6 +354,45 @@ def test_round_robin_proxy_alternates_backends_and_streams():
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_whole_answer_points_ask_for_no_stream_and_count_the_whole_answer_as_ttft():
+    """A real HTTP server that answers as `vllm serve` does with `"stream": false`, after 0.2 s."""
+    import asyncio
+
+    from aiohttp import web
+
+    from bench.compare import FULL, LoadPoint
+    from bench.harness.client import LoadClient
+    from bench.harness.systems import free_port
+    from bench.harness.workloads import WorkloadFactory
+
+    assert LoadPoint("text", 4, concurrency=1, stream=False).name == "text-c1-whole"
+    assert {"text-c1", "text-c1-whole", "repeat-c1-whole"} <= {p.name for p in FULL}
+    bodies = []
+
+    async def run():
+        async def chat(request):
+            bodies.append(await request.json())
+            await asyncio.sleep(0.2)
+            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+                                      "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            client = LoadClient([f"http://127.0.0.1:{port}"], "m", stream=False)
+            return await client.closed_loop(WorkloadFactory(0).build("text", 2), 1)
+        finally:
+            await runner.cleanup()
+
+    records, _ = asyncio.run(run())
+    assert [b["stream"] for b in bodies] == [False, False] and "stream_options" not in bodies[0]
+    assert all(r.ok and r.output_tokens == 1 and r.prompt_tokens == 7 for r in records)
+    assert all(0.2 <= r.ttft_s <= r.latency_s for r in records)
+
+
 def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_not_cross():
     from bench.stage_timeline import request_segments, summarise
 

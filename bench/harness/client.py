@@ -1,6 +1,7 @@
 """The load client: sends a workload's conversations to an OpenAI-compatible
 server and records, per request, TTFT at the first streamed chunk (as vLLM's
-own bench client does), end-to-end latency and output tokens.
+own bench client does), end-to-end latency and output tokens. Answers asked for
+whole (`stream=False`) have their end-to-end latency as TTFT.
 
 Two load shapes:
   closed loop  `concurrency` clients, each sends its next conversation as soon as
@@ -57,8 +58,9 @@ class _Answer:
 
 class LoadClient:
     def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600, headers: dict | None = None,
-                 extra_body: dict | None = None):
+                 extra_body: dict | None = None, stream: bool = True):
         self.base_urls = base_urls
+        self.stream = stream
         self.model = model
         self.headers = headers or {}  # on every request (e.g. Authorization: Bearer <a tenant's key>)
         self.extra_body = extra_body or {}  # in every request's body (e.g. vLLM's ignore_eos)
@@ -67,14 +69,24 @@ class LoadClient:
 
     async def _post(self, session: aiohttp.ClientSession, messages: list[dict], max_tokens: int,
                     start: float) -> _Answer:
-        """One streamed request; TTFT counts from `start`, the user's first attempt."""
+        """One request; TTFT counts from `start`, the user's first attempt."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
+                "stream": self.stream, **self.extra_body}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         url = f"{next(self._next_url)}/v1/chat/completions"
         async with session.post(url, json=body, headers=self.headers) as response:
             if response.status != 200:
                 return _Answer(response.status, error=(await response.text())[:300])
             answer = _Answer(200)
+            if not self.stream:
+                whole = await response.json()
+                if not whole.get("choices"):
+                    return _Answer(200, error=json.dumps(whole)[:300])
+                answer.ttft_s = time.perf_counter() - start
+                answer.text = whole["choices"][0]["message"].get("content") or ""
+                answer.usage = whole.get("usage")
+                return answer
             text = []
             buffer = b""
             async for piece in response.content.iter_any():
