@@ -64,8 +64,7 @@ class IrisConfig(BaseModel):
     stream_interval_s: float = Field(
         0.02, ge=0, le=1,
         description="Token deltas produced within this interval travel to the client as one chunk "
-        "(the first token is sent at once); 0 sends every delta as it comes. A non-streamed answer "
-        "travels from the decode replica as one message, when it is complete.",
+        "(the first token is sent at once); 0 sends every delta as it comes.",
     )
     encoder_cpu_threads: int | None = Field(
         None, ge=1, le=512,

@@ -7,7 +7,6 @@ image or clip it has seen before, whichever replica computed the features.
 
 Token deltas are merged into one chunk per `stream_interval_s` (the first is
 sent at once): one Ray message per token costs more than the token on a busy node.
-A non-streamed answer goes as one chunk when it is complete.
 """
 
 from __future__ import annotations
@@ -161,10 +160,8 @@ class LLMDecode:
         completion_tokens = 0
         mark("decode.engine_call", request.request_id)
         try:
-            # A streamed answer's first token goes at once; a whole one as one message, at its end.
-            interval_s = self.stream_interval_s if req.stream else None
             async with aclosing(merged_outputs(self.engine.generate(engine_prompt, params, request.request_id),
-                                               interval_s)) as merged:
+                                        self.stream_interval_s)) as merged:
                 async for outs in merged:
                     if completion_tokens == 0:
                         mark("decode.first_output", request.request_id)

@@ -184,8 +184,7 @@ class Ingress:
             ticket = self.limiter.ticket(self._caller(request))
             async with asyncio.timeout_at(deadline):
                 stream, reply = await open_answer(request, ticket)
-            if reply.stream:  # a whole answer's first chunk is the whole answer (LLMDecode)
-                self.metrics.ttft.observe(time.perf_counter() - start)
+            self.metrics.ttft.observe(time.perf_counter() - start)
         except BaseException as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
             if ticket is not None:
                 await self._release(ticket)

@@ -70,8 +70,7 @@ class RequestMetrics:
         self.items = metrics.Counter("iris_images", description="Images and videos by how their features were "
                                      "obtained (cached: feature-cache hit; computed: preprocess + encoder ran)",
                                      tag_keys=("source",))
-        self.ttft = latency_histogram("iris_ttft_seconds", "Seconds from request arrival to the first token "
-                                      "of a streamed answer")
+        self.ttft = latency_histogram("iris_ttft_seconds", "Seconds from request arrival to the first token")
 
     def outcome(self, outcome: str) -> None:
         self.counts[f"requests_{outcome}"] += 1

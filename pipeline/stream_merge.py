@@ -1,6 +1,5 @@
 """Engine outputs merged into lists, one per Ray message: one message per token costs
-more than the token on a busy node (LLMDecode's `stream_interval_s`). An answer that
-nobody reads before it is whole (not streamed) goes as one list."""
+more than the token on a busy node (LLMDecode's `stream_interval_s`)."""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ from collections.abc import AsyncIterator
 _END = object()
 
 
-async def merged_outputs(outputs: AsyncIterator, interval_s: float | None) -> AsyncIterator[list]:
+async def merged_outputs(outputs: AsyncIterator, interval_s: float) -> AsyncIterator[list]:
     """Engine outputs in lists: the first alone at once, then whatever arrived
     while the previous list was sent, at most one list per `interval_s`; the
-    last output goes as soon as it arrives (waiting would only delay the answer).
-    `interval_s` None: all of them in one list, when the last has arrived."""
+    last output goes as soon as it arrives (waiting would only delay the answer)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     last_queued = asyncio.Event()  # the finished output, the end or an error is in the queue
@@ -36,9 +34,7 @@ async def merged_outputs(outputs: AsyncIterator, interval_s: float | None) -> As
     try:
         while True:
             batch = [await queue.get()]
-            if interval_s is None:
-                await last_queued.wait()
-            wait = 0 if last_sent is None or interval_s is None else last_sent + interval_s - loop.time()
+            wait = 0 if last_sent is None else last_sent + interval_s - loop.time()
             if wait > 0 and not last_queued.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(last_queued.wait(), wait)

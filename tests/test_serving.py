@@ -318,29 +318,6 @@ def test_prometheus_metrics_are_exported(app):
     assert 'outcome="ok"' in text
 
 
-def test_time_to_first_token_is_observed_for_streamed_answers_only(app):
-    """A whole answer's first chunk is the whole answer: it is not a first token."""
-    import time
-
-    from bench.harness.metrics import parse
-
-    _, base, name = app
-
-    def ttft_count() -> float:
-        return sum(v for n, labels, v in parse(metrics_text())
-                   if n == "ray_iris_ttft_seconds_count" and labels.get("application") == name)
-
-    before = ttft_count()
-    assert _chat(base, []).status_code == 200  # whole
-    streamed = _chat(base, [], stream=True)
-    assert streamed.status_code == 200 and "data: [DONE]" in streamed.text
-    deadline = time.monotonic() + 60
-    while ttft_count() < before + 1:  # exported every few seconds
-        assert time.monotonic() < deadline, "the streamed answer's TTFT was not exported"
-        time.sleep(2)
-    assert ttft_count() == before + 1  # one ingress: both observations would be in the same export
-
-
 def test_oversized_body_is_413_without_reading_it_all(app):
     _, base, _ = app
     huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 8_000_000 + b'"}]}'  # over the images' and video's room
