@@ -24,12 +24,14 @@ class RedisProcess:
         self.url = f"redis://127.0.0.1:{port}/0"
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
-        # A directory of its own: a replica's full sync writes an RDB file there, and a server started
-        # where another left one loads it first (answering LOADING meanwhile: 150 MB took seconds).
-        self.dir = tempfile.mkdtemp(prefix=f"iris-redis-{port}-")
+        self.dir: str | None = None
 
     def start(self) -> None:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        # A directory of its own while it runs: a replica's full sync writes an RDB file there, and a
+        # server started where another left one loads it first (answering LOADING meanwhile: 150 MB
+        # took seconds). Removed when the server is killed, so no run leaves one behind.
+        self.dir = tempfile.mkdtemp(prefix=f"iris-redis-{self.port}-")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, *self.extra_args],
@@ -52,6 +54,9 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
 
 # Short enough that a failover happens within a test, long enough not to trip on a busy machine.
