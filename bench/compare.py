@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.harness import cpu_usage, report, results, systems, vllm_bench
@@ -185,9 +185,7 @@ def run_comparison(args, command: str) -> dict:
         wanted = set(args.points.split(","))
         plan = [p for p in plan + [p for p in FULL + QUICK + VIDEO if p not in plan] if p.name in wanted]
         plan = list({p.name: p for p in plan}.values())
-    plan = [LoadPoint(p.workload, max(2, round(p.n * args.scale)), p.concurrency, p.rate, p.options, p.sweep,
-                      p.stream)
-            for p in plan]
+    plan = [replace(p, n=max(2, round(p.n * args.scale))) for p in plan]
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)
     videos = any(p.workload.startswith("video_") for p in plan)
