@@ -127,17 +127,29 @@ class Answer:
 
 # --- streams ------------------------------------------------------------------------
 
-async def _messages(chunks: AsyncIterator[DecodeChunk], chunk_events: Callable[[DecodeChunk], list[str]],
-                    first: list[str]) -> AsyncIterator[str]:
-    """A stream's messages: one per chunk, every event `chunk_events` makes of it joined (Serve's
-    proxy sends each string as a message of its own: fewer is faster), `first` before the first
-    chunk's; [DONE] ends the last chunk's, or the stream should the last chunk never come. Raises
-    the engine's error should a chunk carry it."""
-    pending = first
+async def _messages(chunks: AsyncIterator[DecodeChunk], event: Callable[..., str],
+                    choice: Callable[[DecodeChunk], object], first: list[str], include_usage: bool
+                    ) -> AsyncIterator[str]:
+    """A stream's messages: one per chunk, its events joined (Serve's proxy sends each string as a
+    message of its own: fewer is faster), `first` before the first chunk's; [DONE] ends the last
+    chunk's, or the stream should the last chunk never come. A chunk with text, logprobs or a
+    finish reason is an event of `choice(chunk)`; the last one adds the usage when asked for. The
+    system fingerprint goes with the usage, else with the finishing choice, as vLLM's serving code
+    does. Raises the engine's error should a chunk carry it."""
+    pending, fingerprint = first, None
     async for c in chunks:
         if c.error:
             raise c.error
-        events, pending = pending + chunk_events(c), []
+        events, pending = list(pending), []
+        if c.text or c.finish_reason or c.logprobs:
+            extra = {}
+            if c.finish_reason is not None:
+                fingerprint = c.system_fingerprint
+                if fingerprint is not None and not include_usage:
+                    extra["system_fingerprint"] = fingerprint
+            events.append(event([choice(c)], **extra))
+        if c.done and include_usage:
+            events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
         if c.done:
             yield "".join(events) + DONE
             return
@@ -151,62 +163,39 @@ def chat_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
     """A chat answer's events, in messages as _messages: the role first, then the deltas, then
     the usage when asked for, then [DONE]; the fields vLLM's serving code sets on each."""
     created = int(time.time())
-    fingerprint = None
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:  # unset fields are left out
         return sse(ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,
                                                 model=model, choices=choices, **extra), exclude_none)
 
-    def chunk_events(c: DecodeChunk) -> list[str]:
-        nonlocal fingerprint
-        events = []
-        if c.text or c.finish_reason or c.logprobs:
-            choice = ChatCompletionResponseStreamChoice(
-                index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
-                logprobs=None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs),
-                finish_reason=c.finish_reason, token_ids=None)
-            extra = {}
-            if c.finish_reason is not None:
-                choice.stop_reason = c.stop_reason
-                fingerprint = c.system_fingerprint
-                if fingerprint is not None and not include_usage:
-                    extra["system_fingerprint"] = fingerprint
-            events.append(event([choice], **extra))
-        if c.done and include_usage:
-            events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
-        return events
+    def choice(c: DecodeChunk) -> ChatCompletionResponseStreamChoice:
+        delta = ChatCompletionResponseStreamChoice(
+            index=c.index, delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+            logprobs=None if c.logprobs is None else ChatCompletionLogProbs(content=c.logprobs),
+            finish_reason=c.finish_reason, token_ids=None)
+        if c.finish_reason is not None:
+            delta.stop_reason = c.stop_reason
+        return delta
 
     roles = [event([ChatCompletionResponseStreamChoice(
         index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
         prompt_token_ids=None, prompt_text=None) for i in range(n)]
-    return _messages(chunks, chunk_events, roles)
+    return _messages(chunks, event, choice, roles, include_usage)
 
 
 def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
                 include_usage: bool) -> AsyncIterator[str]:
     """A /v1/completions answer's events, in messages as _messages, [DONE] last."""
     created = int(time.time())
-    fingerprint = None
 
     def event(choices: list, exclude_none: bool = False, **extra) -> str:
         return sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
                                             model=model, choices=choices, **extra), exclude_none)
 
-    def chunk_events(c: DecodeChunk) -> list[str]:
-        nonlocal fingerprint
-        events = []
-        if c.text or c.finish_reason or c.logprobs:
-            extra = {}
-            if c.finish_reason is not None:
-                fingerprint = c.system_fingerprint
-                if fingerprint is not None and not include_usage:
-                    extra["system_fingerprint"] = fingerprint
-            events.append(event([CompletionResponseStreamChoice(
-                index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs),
-                prompt_token_ids=None, token_ids=None)], **extra))
-        if c.done and include_usage:
-            events.append(event([], exclude_none=True, usage=usage(c), system_fingerprint=fingerprint))
-        return events
+    def choice(c: DecodeChunk) -> CompletionResponseStreamChoice:
+        return CompletionResponseStreamChoice(
+            index=c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            logprobs=None if c.logprobs is None else CompletionLogProbs(**c.logprobs),
+            prompt_token_ids=None, token_ids=None)
 
-    return _messages(chunks, chunk_events, [])
+    return _messages(chunks, event, choice, [], include_usage)
