@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -39,11 +40,13 @@ from pipeline.tokenize import TokenizeJob
 from pipeline.vllm_sampling import max_tokens_of
 
 logger = logging.getLogger("ray.serve")
+# A request that ends without its first chunk after this long is logged (a deadline, a client that left).
+SLOW_FIRST_OUTPUT_S = 5.0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class LLMDecode:
-    def __init__(self, config: IrisConfig):
+    async def __init__(self, config: IrisConfig):  # async: the engine's warm-up runs a request
         from ray.serve import metrics
         from transformers import AutoProcessor
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -64,6 +67,7 @@ class LLMDecode:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
+        self.min_prompt_tokens = _min_prompt_tokens(self.engine.model_config)
         # The checkpoint's generation_config defaults, as `vllm serve` applies them.
         self.default_sampling_params = self.engine.model_config.get_diff_sampling_param()
         self.system_fingerprint = _system_fingerprint(self.engine.vllm_config)
@@ -77,15 +81,38 @@ class LLMDecode:
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
         self.generating = 0  # generate() calls in progress on this replica
+        await self._warm_up_logprobs()
+
+    async def _warm_up_logprobs(self) -> None:
+        """vLLM compiles its logprobs kernel (torch.compile, `batched_count_greater_than`) on the
+        first request that asks for logprobs, and its engine serves nobody while it compiles:
+        17 s on this 2-core machine with a cold compile cache, 1 s with a warm one. One token with
+        logprobs here moves that stall into start-up, before the replica takes traffic."""
+        from vllm import SamplingParams
+
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+        # 16 tokens, not 1: vLLM's CPU conv1d of hybrid models (Qwen3.5) fails on a 1-token prefill.
+        tokens = [self.processor.tokenizer.bos_token_id or 0] * 16
+        async for _ in self.engine.generate({"prompt_token_ids": tokens}, params, "iris-logprobs-warm-up"):
+            pass
+        logger.info("LLMDecode: vLLM's logprobs path warmed up in %.1f s", time.monotonic() - started)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         self.generating += 1
+        started, sent = time.monotonic(), False
         try:
             async with aclosing(self._generate(request)) as chunks:
                 async for chunk in chunks:
+                    sent = True
                     yield chunk
         finally:  # also when the caller cancels or leaves: closing _merged aborted the engine request
             self.generating -= 1
+            waited = time.monotonic() - started
+            if not sent and waited > SLOW_FIRST_OUTPUT_S:
+                # Says whether a first token the client never saw left this replica at all.
+                logger.warning("request %s ended after %.1f s without a first chunk from this replica "
+                               "(requests vLLM holds now: %s)", request.request_id, waited, self._unfinished())
 
     async def _generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
@@ -134,6 +161,12 @@ class LLMDecode:
         # vLLM expands each image placeholder into its feature tokens.
         token_ids = self._prompt_token_ids(request.prompt, request.messages, req.add_special_tokens)
         n_prompt = len(token_ids) + sum(f.num_tokens - 1 for f in features)
+        if 0 < n_prompt < self.min_prompt_tokens:  # an empty prompt gets vLLM's own error
+            yield DecodeChunk(error=bad_request(
+                f"The prompt is {n_prompt} token long; this model needs at least {self.min_prompt_tokens} on this "
+                "server (vLLM's CPU kernel for its linear-attention layers fails on a shorter one)",
+                param="prompt" if request.prompt is not None else "messages", code="prompt_too_short"))
+            return
         error = self._check_length(n_prompt, max_tokens_of(req))
         if error:
             yield DecodeChunk(error=bad_request(error, param="messages", code="context_length_exceeded"))
@@ -161,7 +194,7 @@ class LLMDecode:
         mark("decode.engine_call", request.request_id)
         try:
             async with aclosing(merged_outputs(self.engine.generate(engine_prompt, params, request.request_id),
-                                        self.stream_interval_s)) as merged:
+                                               self.stream_interval_s)) as merged:
                 async for outs in merged:
                     if completion_tokens == 0:
                         mark("decode.first_output", request.request_id)
@@ -210,6 +243,12 @@ class LLMDecode:
             yield DecodeChunk(error=bad_request(f"this model's chat template places no token for an item of the "
                                                 f"request, so the model cannot take it ({cause})", param="messages",
                                                 code="invalid_prompt"))
+
+    def _unfinished(self) -> int | str:
+        try:
+            return self.engine.get_num_unfinished_requests()
+        except Exception as err:  # a dead engine: say so rather than mask why the request ended
+            return f"unknown ({type(err).__name__})"
 
     def _prompt_token_ids(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool,
                           add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
@@ -260,6 +299,15 @@ class LLMDecode:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _min_prompt_tokens(model_config) -> int:
+    """2 for hybrid (linear-attention) models on vLLM's CPU build, else 1: its causal_conv1d
+    kernel there (Qwen3.5's Gated DeltaNet) fails on a 1-token prefill and takes the engine
+    down with it (vLLM 0.32; `vllm serve` dies the same way). GPUs run another kernel."""
+    from vllm.platforms import current_platform
+
+    return 2 if current_platform.is_cpu() and model_config.is_hybrid else 1
 
 
 def _system_fingerprint(vllm_config) -> str | None:
