@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.errors import IrisError
-from pipeline.json_body import MAX_DEPTH, parse_json_body
+from pipeline.json_body import MAX_DEPTH, WALK_BUDGET, parse_json_body
 
 
 def invalid(raw: bytes) -> IrisError:
@@ -51,6 +51,14 @@ def test_many_brackets_but_shallow_is_accepted():
     # walk, which must count real nesting only.
     body = b'{"m":[' + b",".join([b'{"t":[[]]}'] * 200_000) + b'],"s":"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}'
     assert len(parse_json_body(body)["m"]) == 200_000
+
+
+def test_deep_nesting_past_the_walk_budget_is_a_400():
+    # The walk hands over to the bracket count after WALK_BUDGET elements; deep nesting behind
+    # that many elements is still found, and many elements with few brackets are still accepted.
+    flat = b",".join([b"0"] * (WALK_BUDGET * 3))
+    assert "nested deeper" in invalid(b'{"m":[' + flat + b'],"d":' + nested(MAX_DEPTH + 1) + b"}").message
+    assert len(parse_json_body(b'{"m":[' + flat + b'],"d":' + nested(MAX_DEPTH - 2) + b"}")["m"]) == WALK_BUDGET * 3
 
 
 def test_typical_chat_body():
