@@ -71,6 +71,11 @@ class IrisConfig(BaseModel):
         description="CPU only: torch threads for the vision tower. Ray gives an actor with fractional "
         "num_cpus one thread; set this to the cores the encoder may really use.",
     )
+    preprocess_cpu_threads: int | None = Field(
+        None, ge=1, le=512,
+        description="Torch threads for Preprocess's image and video processing (vLLM's processor). Ray "
+        "gives an actor with fractional num_cpus one thread; set this to the cores Preprocess may really use.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of the vision encoder and of vLLM (vLLM's --dtype); auto takes the "

@@ -59,7 +59,13 @@ def _json(model, headers: dict | None = None) -> Response:
     return Response(model.model_dump_json(), media_type="application/json", headers=headers)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5})
+# User code on the replica's own event loop (Ray Serve's throughput-optimized setting): with
+# the user code in a thread of its own, each response message crosses threads, and behind
+# HAProxy the first token waited for the replica's other loop (bench/results/video/README.md).
+INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_ENV}})
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,

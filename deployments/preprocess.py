@@ -15,6 +15,7 @@ import threading
 import time
 
 import ray
+import torch
 from PIL import Image
 from ray import serve
 
@@ -31,6 +32,8 @@ from pipeline.vision_model import PixelInputs
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class Preprocess:
     def __init__(self, config: IrisConfig):
+        if config.preprocess_cpu_threads:
+            torch.set_num_threads(config.preprocess_cpu_threads)
         # vLLM's processor only: no weights here.
         self.vision = config.vision_model()
         self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
@@ -101,4 +104,4 @@ class Preprocess:
 
     def stats(self) -> dict:
         return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing,
-                "abandoned": self.abandoned, "waiting": self.gate.waiting}
+                "abandoned": self.abandoned, "waiting": self.gate.waiting, "torch_threads": torch.get_num_threads()}

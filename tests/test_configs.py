@@ -76,3 +76,25 @@ def test_import_paths_and_routers_resolve(name):
     assert issubclass(cls, RequestRouter)
     # The kwargs are accepted as Serve will pass them (initialize_state rejects unknown ones).
     cls.initialize_state(object.__new__(cls), **router.get("request_router_kwargs", {}))
+
+
+@pytest.mark.parametrize("name", list(_serve_configs()))
+def test_the_ingress_runs_user_code_on_its_own_loop_however_it_is_deployed(name):
+    """A config's ray_actor_options replace the code's: each shipped config carries the Ingress's
+    environment (user code on the replica's event loop) as deployments/ingress.py sets it."""
+    from deployments.ingress import INGRESS_ENV, Ingress
+
+    assert Ingress.ray_actor_options["runtime_env"]["env_vars"] == INGRESS_ENV
+    (app,) = _serve_configs()[name]["applications"]
+    (ingress,) = [d for d in app["deployments"] if d["name"] == "Ingress"]
+    assert ingress["ray_actor_options"]["runtime_env"]["env_vars"] == INGRESS_ENV
+
+
+def test_kuberay_pods_put_haproxy_in_front_of_the_ingress_replicas():
+    """RAY_SERVE_ENABLE_HA_PROXY is read where Ray starts, so every Ray container carries it."""
+    spec = yaml.safe_load((ROOT / "cluster/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", container["name"]
