@@ -17,7 +17,10 @@ Ray instance of its own, and take turns: every point runs on each system in turn
 (A, B, C), round after round, the order rotated each round and new images each round.
 Iris / peer ratios are taken per round and reported as the median with its range: a
 shared machine's noise moves whole minutes, so ratios from one round to the next are
-steadier than figures from one system's run to another's.
+steadier than figures from one system's run to another's. --pause-idle stops the systems
+not being measured (SIGSTOP, then SIGCONT): each idle Ray instance keeps ticking, and on
+two cores three of them slowed every system's TTFT by a third to a half
+(bench/results/video/README.md).
 
 Writes bench/results/<name>.json (every summary, with the commit, the command and
 the machine), <name>.md (the tables) and <name>_*.png (plots); <name> is `compare`
@@ -32,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,6 +47,7 @@ from bench.harness.workloads import WorkloadFactory, hash_str, image_prompt_char
 
 SWEEP_WORKLOAD = "zipf"
 PROFILED_POINTS = ("unique-c1", "repeat-c1")  # a new image and a cached one, one request at a time
+PAUSE_SETTLE_S = 2.0  # --pause-idle: after the others stop, before the measured system's point
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFa
     """One load point's results, with the CPU each request cost by process (bench/harness/cpu_usage.py),
     counted from the load's start to its end (not while counters settle). Each round has images of
     its own (round 0 those of a run without rounds)."""
-    meter = cpu_usage.Meter([p.pid for p in system.procs])
+    meter = cpu_usage.Meter(system.root_pids)
     result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_)
     result["summary"]["cpu_ms_per_request"] = meter.per_request_ms(result["summary"].get("ok") or 0)
     return result
@@ -126,7 +131,7 @@ def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFac
     before = system.counters()
     profiling = profiler is not None and point.name in PROFILED_POINTS
     if profiling:
-        profiler.start([p.pid for p in system.procs], f"{system.name}-{system.replicas}_{point.name}")
+        profiler.start(system.root_pids, f"{system.name}-{system.replicas}_{point.name}")
     try:
         with meter:
             if point.concurrency:
@@ -151,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--points", help="comma-separated load point names to run (default: all of the plan)")
     parser.add_argument("--rounds", type=int, default=1, help="2 or more: the systems up side by side, taking "
                         "turns at every point, round after round; ratios as the median of the rounds' (see above)")
+    parser.add_argument("--pause-idle", action="store_true", help="with --rounds: the systems not being measured "
+                        "are stopped (SIGSTOP) meanwhile, so their idle ticks stay out of the measured one's figures")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every point's request count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
@@ -249,8 +256,9 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
                         run["results"].append({**entry, "skipped": "did not start (see starts)"})
                     else:
                         try:
-                            result = measure(running[system_name], point, factory, args, image_chars, checkpoint,
-                                             profiler, round_)
+                            with _alone(running, system_name, args.pause_idle):
+                                result = measure(running[system_name], point, factory, args, image_chars,
+                                                 checkpoint, profiler, round_)
                         except Exception as err:
                             result = {"skipped": f"error: {err}"[-1000:]}
                         run["results"].append({**entry, "workload": point.workload, "concurrency": point.concurrency,
@@ -260,6 +268,22 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
         for system_name, system in running.items():
             bar.set_description(f"{system_name} x{replicas}: stopping")
             system.stop()
+
+
+@contextmanager
+def _alone(running: dict[str, systems.RunningSystem], name: str, pause: bool):
+    """With `pause`, the other systems are stopped (SIGSTOP) while `name` is measured, then continued;
+    the measured one gets a moment to catch up on what it owes from its own pause."""
+    others = [s for n, s in running.items() if n != name] if pause else []
+    for system in others:
+        system.pause()
+    try:
+        if others:
+            time.sleep(PAUSE_SETTLE_S)
+        yield
+    finally:
+        for system in others:
+            system.resume()
 
 
 def _save(run: dict, out_dir: Path, name: str, plots: bool) -> None:

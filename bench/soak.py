@@ -111,7 +111,7 @@ def verdict(growth: dict, errors: int, keys: dict, locks_after_drain: int) -> di
 
 # ----------------------------------------------------------------------------- run
 async def _run(system, minutes: float, concurrency: int, sample_s: float, seed: int):
-    roots = [p.pid for p in system.procs]
+    roots = system.root_pids
     samples: list[dict] = []
     deadline = time.monotonic() + minutes * 60
     client = LoadClient(system.base_urls, systems.SERVED_NAME, timeout_s=300)

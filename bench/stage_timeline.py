@@ -116,6 +116,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per kind")
     parser.add_argument("--video", action="store_true", help="new and repeated clips instead (a model that "
                         "takes video, e.g. builtin:tiny-qwen2-vl)")
+    parser.add_argument("--system", default="iris", choices=("iris", "iris-haproxy"),
+                        help="iris-haproxy: behind Ray Serve's HAProxy, straight to the Ingress replica's own port")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="stage_timeline")
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
@@ -129,8 +131,9 @@ def main(argv: list[str]) -> None:
     factory = WorkloadFactory(args.seed, max_tokens=16)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
     trace = log_dir / "stage_trace.jsonl"
-    run = {**results.provenance(results.command_line("stage-timeline", argv)), "model": args.model, "kinds": {}}
-    system = systems.start("iris", 1, engine, log_dir, env={"IRIS_STAGE_TRACE": str(trace)})
+    run = {**results.provenance(results.command_line("stage-timeline", argv)), "model": args.model,
+           "system": args.system, "kinds": {}}
+    system = systems.start(args.system, 1, engine, log_dir, env={"IRIS_STAGE_TRACE": str(trace)})
     try:
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
         warm_up(client, factory)

@@ -99,15 +99,16 @@ vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 128.0
 
 def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
     """`python -m bench gpu` as on a GPU machine, at the tiny size on this CPU: it builds the checkpoint,
-    starts Iris and `vllm serve` in turn, warms each up, drives new images, a repeated image, text and
-    upload-free requests at 1 and 2 clients, reads their counters, and saves JSON and Markdown with
-    whole-answer latency, output tokens/s and Iris / peer ratios. (The harness's one run end to end;
+    starts Iris (behind Ray Serve's HAProxy, as cluster/rayservice.yaml runs it) and `vllm serve` in
+    turn, warms each up, drives new images, a repeated image, text and upload-free requests at 1 and 2
+    clients, reads their counters, and saves JSON and Markdown with whole-answer latency, output
+    tokens/s and Iris / peer ratios. (The harness's one run end to end;
     `python -m bench compare` is the same harness: systems, client, counters, report, results.)"""
     from bench.__main__ import main
 
     out = tmp_path / "gpu_run.json"
-    argv = ["--size", "tiny", "--models", "llava", "--systems", "iris,vllm", "--clients", "1,2", "--requests", "4",
-            "--max-tokens", "12", "--workloads", "unique,repeat,text,upload_free", "--out", str(out)]
+    argv = ["--size", "tiny", "--models", "llava", "--systems", "iris-haproxy,vllm", "--clients", "1,2",
+            "--requests", "4", "--max-tokens", "12", "--workloads", "unique,repeat,text,upload_free", "--out", str(out)]
     main(["gpu", *argv])
     saved = json.loads(out.read_text())
     assert saved["commit"] and saved["command"] == "python -m bench gpu " + " ".join(argv)
@@ -115,11 +116,11 @@ def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
     assert saved["gpu"] == bool(saved["machine"]["gpus"]) and saved["eager"] == (not saved["gpu"])
     assert list(saved["models"]) == ["builtin:tiny-llava"]
     assert Path(saved["models"]["builtin:tiny-llava"]["checkpoint"]).is_dir()
-    assert [(s["system"], s.get("error")) for s in saved["starts"]] == [("iris", None), ("vllm", None)]
+    assert [(s["system"], s.get("error")) for s in saved["starts"]] == [("iris-haproxy", None), ("vllm", None)]
     assert all(s["warm_up"]["failed"] == 0 for s in saved["starts"]), saved["starts"]
     points = [f"{w}-c{c}" for w in ("unique", "repeat", "text", "upload_free") for c in (1, 2)]
     results = {(r["system"], r["point"]): r for r in saved["results"]}
-    assert sorted(results) == sorted((s, p) for s in ("iris", "vllm") for p in points)
+    assert sorted(results) == sorted((s, p) for s in ("iris-haproxy", "vllm") for p in points)
     for key, r in results.items():
         assert "summary" in r, (key, r.get("skipped"))
         s = r["summary"]
@@ -128,7 +129,7 @@ def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
         assert s["output_tokens_mean"] == 12, (key, s)  # ignore_eos: whole answers of one length everywhere
         assert s["output_tokens_per_s"] == pytest.approx(12 * s["ok"] / s["duration_s"]) and s["req_per_s"] > 0
     # Iris computes each distinct image once, also for two clients asking at once, and counts it.
-    iris = {p: results[("iris", p)]["summary"] for p in points}
+    iris = {p: results[("iris-haproxy", p)]["summary"] for p in points}
     assert iris["unique-c1"]["encoder_runs_per_distinct_image"] == 1.0
     assert iris["unique-c2"]["encoder_runs_per_distinct_image"] == 1.0
     assert iris["repeat-c1"]["encoder_runs"] == 1.0 and iris["repeat-c2"]["encoder_runs"] == 1.0
@@ -675,6 +676,43 @@ def test_haproxy_variants_get_files_and_ports_of_their_own_and_their_ratios(tmp_
                for name in ("iris", "iris-haproxy", "rayllm", "rayllm-haproxy")]
     assert sorted((r["system"], r["peer"]) for r in report.ratios(results)) == [
         ("iris", "rayllm"), ("iris", "rayllm-haproxy"), ("iris-haproxy", "rayllm"), ("iris-haproxy", "rayllm-haproxy")]
+
+
+def test_an_idle_system_is_paused_whole_and_resumed_and_stops_even_while_paused():
+    """--pause-idle: every process under the system's runner stops (state T) and continues (S);
+    stop() continues a paused system first, else SIGTERM would wait behind SIGSTOP."""
+    from bench.harness import systems
+    from bench.harness.profiler import process_tree
+
+    runner = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(process_tree([runner.pid])) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        system = systems.RunningSystem("vllm", 1, [], [], [runner], [], 0.0)
+
+        def states_become(wanted: str) -> bool:  # a signal is delivered asynchronously
+            for _ in range(100):
+                states = {Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                          for pid in process_tree([runner.pid])}
+                if states == {wanted}:
+                    return True
+                time.sleep(0.02)
+            return False
+
+        system.pause()
+        assert states_become("T")
+        system.resume()
+        assert states_become("S")
+        system.pause()
+        system.stop()  # SIGTERM to bash, which exits; its sleeps are left to the session kill below
+        assert runner.returncode is not None
+    finally:
+        try:
+            os.killpg(runner.pid, 9)  # the group outlives bash: its sleeps are still in it
+        except ProcessLookupError:
+            pass
 
 
 def test_percentile_interpolates_between_ranks():

@@ -39,6 +39,7 @@ import httpx
 import yaml
 
 from bench.harness.metrics import Counters, scrape
+from bench.harness.profiler import process_tree
 from bench.harness.results import ROOT
 from pipeline.cpu_binding import omp_threads_bind
 
@@ -89,6 +90,7 @@ class RunningSystem:
     start_s: float
     namespace: str | None = None  # Iris's Redis key prefix, removed on stop
     meta: dict = field(default_factory=dict)
+    _paused: list[int] = field(default_factory=list, repr=False)  # pids stopped by pause()
 
     def counters(self) -> Counters:
         """Counters once they stop moving: Ray exports its metrics every second, with a lag."""
@@ -103,7 +105,26 @@ class RunningSystem:
             current = latest
         return current
 
+    @property
+    def root_pids(self) -> list[int]:
+        """The system's own processes (its runner or servers); everything it starts lies below them."""
+        return [p.pid for p in self.procs]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the system while another one is measured: an idle Ray cluster
+        still ticks (GCS, raylet, controller, health checks, metrics pushes), and on two cores those
+        ticks land in the measured system's latencies. `resume` continues them."""
+        self._paused = list(process_tree(self.root_pids))
+        for pid in self._paused:
+            _signal(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self._paused:
+            _signal(pid, signal.SIGCONT)
+        self._paused = []
+
     def stop(self) -> None:
+        self.resume()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -288,6 +309,13 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
     return system.wait_ready([None], started, timeout_s)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # exited meanwhile
+        pass
 
 
 def haproxy_env(state_dir: Path) -> dict[str, str]:
