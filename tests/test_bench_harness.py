@@ -461,7 +461,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
     from bench.__main__ import EXPERIMENTS, main
 
     assert set(EXPERIMENTS) == {"compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                "tenants", "vision-vs-prefill", "vllm"}
+                                "tenants", "vision-vs-prefill", "vllm", "json-body"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -481,7 +481,7 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
 
 
 @pytest.mark.parametrize("name", ["compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                  "tenants", "vision-vs-prefill"])
+                                  "tenants", "vision-vs-prefill", "json-body"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -502,7 +502,8 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
                "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
                "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
-               "vision-vs-prefill": ["--repeats", "--families", "--out"]}[name]
+               "vision-vs-prefill": ["--repeats", "--families", "--out"],
+               "json-body": ["--rounds", "--iters", "--out-dir"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.errors import IrisError
 from pipeline.json_body import MAX_DEPTH, WALK_BUDGET, parse_json_body
@@ -97,3 +100,28 @@ def test_non_object_is_a_400(raw):
 def test_error_does_not_echo_the_body():
     secret = b'{"messages": "SECRET' + b"x" * 1000
     assert "SECRET" not in invalid(secret).message
+
+
+# msgspec parses first; what it refuses takes json.loads's path. Either way the values are json.loads's.
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=6), st.booleans())
+def test_values_equal_the_standard_librarys(body, ascii_only):
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode()
+    assert parse_json_body(raw) == json.loads(raw) == body
+
+
+@pytest.mark.parametrize("raw, key, check", [
+    (b'{"t": NaN, "u": -Infinity}', "t", math.isnan),      # json.loads's extensions, as before
+    (b'{"t": 1e400}', "t", lambda v: v == math.inf),
+    (b'{"t": "\\ud800"}', "t", lambda v: v == "\ud800"),      # an escaped lone surrogate
+    (b'{"t": 1, "t": 2}', "t", lambda v: v == 2),             # the last duplicate wins in both
+])
+def test_what_msgspec_refuses_parses_as_json_loads_does(raw, key, check):
+    assert check(parse_json_body(raw)[key])
