@@ -5,7 +5,7 @@ set, so every stage marks its boundaries (pipeline/stage_trace.py), then sends
 sequential requests of three kinds: a new image each time, the same image again
 and again (served from the feature cache), and text of the same token count.
 Each request's marks, between the client's send and its first token, become
-segments (e.g. "vision tower", "hop to LLMDecode"); the medians per kind are
+segments (e.g. "vision tower", "tokenize the prompt"); the medians per kind are
 printed and saved.
 
     python -m bench stage-timeline            # bench/results/stage_timeline.{json,md}
@@ -42,9 +42,9 @@ PATH = [
     ("encoder.start", "cache claim, tenant's turn, batch queue"),
     ("encoder.forward_start", "vision tower + projector"),
     ("encoder.forward_end", "features into the object store"),
-    ("encoder.end", "result back to the ingress"),
-    ("ingress.features_ready", "call LLMDecode"),
-    ("decode.start", "fetch features, tokenize the prompt"),
+    ("encoder.end", "result to LLMDecode (called while the features were computed)"),
+    ("decode.start", "features from the object store or the cache"),
+    ("decode.features_in", "tokenize the prompt"),
     ("decode.engine_call", "vLLM: prefill to the first token"),
     ("decode.first_output", "first chunk to the ingress"),
     ("ingress.first_token", "SSE through the HTTP proxy"),
@@ -57,12 +57,17 @@ SEGMENT_NAMES = {stage: what for stage, what in PATH}
 def request_segments(marks: list[dict], sent: float, first_token: float) -> list[tuple[str, str, float]]:
     """(from, to, ms) for one request: the first mark of each boundary between the client's
     `sent` and `first_token` (wall clock), in path order; boundaries a request skips (a cached
-    image never reaches Preprocess) join their neighbours into one segment."""
+    image never reaches Preprocess) join their neighbours into one segment, and so do those it
+    crossed earlier than the path has them (LLMDecode called while a new image is encoded):
+    they are off the critical path."""
     seen: dict[str, float] = {"client.sent": sent, "client.first_token": first_token}
     for m in sorted(marks, key=lambda m: m["t"]):
         if sent <= m["t"] <= first_token and m["stage"] in ORDER:
             seen.setdefault(m["stage"], m["t"])
-    stages = sorted(seen, key=ORDER.__getitem__)
+    stages: list[str] = []
+    for stage in sorted(seen, key=ORDER.__getitem__):
+        if not stages or seen[stage] >= seen[stages[-1]] or stage == "client.first_token":
+            stages.append(stage)
     return [(a, b, (seen[b] - seen[a]) * 1000) for a, b in zip(stages, stages[1:])]
 
 

@@ -32,7 +32,7 @@ from deployments.metrics import CacheMetrics
 from pipeline.cpu_binding import omp_threads_bind
 from pipeline.errors import IrisError, bad_request
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
-from pipeline.stage_io import DecodeChunk, DecodeRequest
+from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
 from pipeline.stage_trace import mark
 from pipeline.stream_merge import merged_outputs
 from pipeline.tenant import cache_salt
@@ -128,19 +128,11 @@ class LLMDecode:
             yield DecodeChunk(error=IrisError("the model was updated while this request was in flight; retry",
                                               status_code=503, code="model_changed"))
             return
-        delivered = {}
-        for key, f in zip(request.delivered, await asyncio.gather(*request.delivered.values(),
-                                                                   return_exceptions=True)):
-            if isinstance(f, ObjectLostError):
-                # The reference is a shortcut, the cache the record: under heavy load Ray has
-                # answered ReferenceCountingAssertionError for a live reference, and an
-                # encoder replica may have died since. Read it like any other key (below).
-                logger.warning("features of %s could not be fetched from the object store (%s); "
-                               "reading the cache", key, type(f).__name__)
-                continue
-            if isinstance(f, BaseException):
-                raise f
-            delivered[key] = f
+        delivered = await self._delivered(request.delivered)
+        for key, f in delivered.items():
+            if isinstance(f, IrisError):  # the encode failed: the ingress answers with its error
+                yield DecodeChunk(error=f)
+                return
             self.cache.remember(key, f)
         features = [delivered.get(k) for k in keys]
         lookup = [k for k, f in zip(keys, features) if f is None]
@@ -154,6 +146,7 @@ class LLMDecode:
             if missing:
                 yield DecodeChunk(missing_keys=missing)
                 return
+        mark("decode.features_in", request.request_id)
 
         req = request.sampling
         tokenizer = self.processor.tokenizer
@@ -243,6 +236,28 @@ class LLMDecode:
             yield DecodeChunk(error=bad_request(f"this model's chat template places no token for an item of the "
                                                 f"request, so the model cannot take it ({cause})", param="messages",
                                                 code="invalid_prompt"))
+
+    async def _delivered(self, refs: dict) -> dict:
+        """Key -> Features (or the encode's IrisError), from the references of the VisionEncoder
+        calls the ingress made for this request, once they are done. A reference that cannot be
+        fetched is left out: that key is read from the cache like any other."""
+        encoded = await asyncio.gather(*refs.values(), return_exceptions=True)
+        fetched = iter(await asyncio.gather(*(e.features_ref for e in encoded if isinstance(e, EncodedMedia)),
+                                            return_exceptions=True))
+        delivered = {}
+        for key, e in zip(refs, encoded):
+            f = next(fetched) if isinstance(e, EncodedMedia) else e
+            if isinstance(f, ObjectLostError):
+                # The reference is a shortcut, the cache the record: under heavy load Ray has
+                # answered ReferenceCountingAssertionError for a live reference, and an
+                # encoder replica may have died since.
+                logger.warning("features of %s could not be fetched from the object store (%s); "
+                               "reading the cache", key, type(f).__name__)
+                continue
+            if isinstance(f, BaseException) and not isinstance(f, IrisError):
+                raise f
+            delivered[key] = f
+        return delivered
 
     def _unfinished(self) -> int | str:
         try:

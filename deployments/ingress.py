@@ -148,9 +148,8 @@ class Ingress:
         self._check_model(chat.model)
         await self._admit(ticket, len(chat.media))  # before any media work
         tenant = ticket.tenant
-        media = await self.features.resolve(chat, tenant)
-        mark("ingress.features_ready", request_id)
         messages = template_messages(chat)
+        media = await self.features.resolve(chat, tenant)
         stream = await self.features.open_decode(media, lambda delivered: DecodeStream.open(
             self.decode, DecodeRequest(request_id, messages, media.keys, chat.sampling, delivered, tenant,
                                        modalities=media.modalities)))

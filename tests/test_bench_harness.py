@@ -403,22 +403,24 @@ def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_
     new = marks(("ingress.received", 10.001), ("ingress.parsed", 10.003), ("ingress.looked_up", 10.004),
                 ("preprocess.start", 10.007), ("preprocess.end", 10.010), ("encoder.start", 10.015),
                 ("encoder.forward_start", 10.016), ("encoder.forward_end", 10.216), ("encoder.end", 10.218),
-                ("ingress.features_ready", 10.220), ("decode.start", 10.224), ("decode.engine_call", 10.226),
+                ("decode.start", 10.005),  # LLMDecode was called while the image was encoded: off the path
+                ("decode.features_in", 10.224), ("decode.engine_call", 10.226),
                 ("decode.first_output", 10.246), ("ingress.first_token", 10.248),
                 ("decode.first_output", 10.300),  # a later request's mark, after this one's first token
                 ("ingress.received", 9.0))        # an earlier request's
     segments = request_segments(new, 10.0, 10.250)
     assert [(a, b) for a, b, _ in segments][0] == ("client.sent", "ingress.received")
     assert [b for _, b, _ in segments][-1] == "client.first_token"
-    assert len(segments) == 15
-    tower = dict(((a, b), ms) for a, b, ms in segments)[("encoder.forward_start", "encoder.forward_end")]
-    assert abs(tower - 200) < 1e-6
+    assert len(segments) == 14
+    by_pair = dict(((a, b), ms) for a, b, ms in segments)
+    assert abs(by_pair[("encoder.forward_start", "encoder.forward_end")] - 200) < 1e-6
+    assert abs(by_pair[("encoder.end", "decode.features_in")] - 6) < 1e-6
+    assert all(ms >= 0 for *_, ms in segments)
     assert abs(sum(ms for *_, ms in segments) - 250) < 1e-6
 
-    cached = marks(("ingress.received", 20.001), ("ingress.looked_up", 20.002), ("ingress.features_ready", 20.003),
-                   ("decode.start", 20.006))
+    cached = marks(("ingress.received", 20.001), ("ingress.looked_up", 20.002), ("decode.start", 20.006))
     pairs = [(a, b) for a, b, _ in request_segments(cached, 20.0, 20.030)]
-    assert ("ingress.looked_up", "ingress.features_ready") in pairs  # no Preprocess/VisionEncoder between
+    assert ("ingress.looked_up", "decode.start") in pairs  # no Preprocess/VisionEncoder between
     assert ("decode.start", "client.first_token") in pairs            # marks missing: one segment
 
     summary = summarise([segments, request_segments(new, 10.0, 10.250)])

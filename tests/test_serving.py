@@ -507,6 +507,41 @@ def test_concurrent_burst_of_one_new_clip_encodes_it_once(app):
 
 
 @video_app
+def test_new_clips_waiting_for_preprocess_hold_no_decode_slots(app):
+    """LLMDecode is called once a request's encoder call is routed, which Serve does when the
+    pixels exist: 16 new clips waiting for Preprocess do not wait in LLMDecode's slots (nor count
+    in its autoscaling). A request holds one while its clip is encoded and decoded."""
+    import asyncio
+    import threading
+    import time
+
+    _, base, name = app
+    # 10 s of 640x480 each (a quarter of a second to decode here): the clips queue in Preprocess.
+    urls = [data_url(_unique_clip(frames=300, width=640, height=480, fps=30.0, smooth=True), "video/mp4")
+            for _ in range(16)]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": [_video_part(u), {"type": "text", "text": "hi"}]}],
+                "max_tokens": 2, "temperature": 0}) for u in urls))
+
+    replies: list = []
+    sender = threading.Thread(target=lambda: replies.extend(asyncio.run(burst())))
+    sender.start()
+    generating, preprocessing = [], []
+    while sender.is_alive():
+        preprocessing.append(_stats(name, "Preprocess")["preprocessing"])
+        generating.append(_stats(name, "LLMDecode")["generating"])
+        time.sleep(0.05)
+    sender.join()
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    assert max(preprocessing) >= 2, preprocessing  # the clips did queue for Preprocess (in it, or for its slots)
+    # Preprocess takes one clip at a time here, so few are past it and not yet answered at once.
+    assert 0 < max(generating) <= 3, generating
+
+
+@video_app
 def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
     """A clip whose decoding takes a while; the client leaves once Preprocess is working on it.
     The encoder never sees it, and every stage is idle again within 5 s."""
