@@ -162,9 +162,9 @@ class MediaFeatures:
         """The decode stream, opened while the request's encodes finish. An encode's failure
         (a bad video, a dead replica) is the request's answer, whatever the decoder made of it."""
         encodes, media.encodes = media.encodes, None
-        opening = asyncio.ensure_future(open_stream(dict(media.delivered)))
         if encodes is None:
-            return await opening
+            return await open_stream(dict(media.delivered))
+        opening = asyncio.ensure_future(open_stream(dict(media.delivered)))
         try:
             await encodes
         except BaseException:
