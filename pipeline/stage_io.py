@@ -4,11 +4,12 @@ Ingress -> Preprocess: `MediaJob` (bytes of an image or video whose features are
 Preprocess -> VisionEncoder: the family's `PixelInputs` (or the client error
   preprocessing ended in), passed by the ingress as Preprocess's pending response
   (Serve model composition: the pixels go through the object store, not the ingress).
-VisionEncoder -> Ingress: `EncodedMedia`, i.e. the key, metadata and a reference
-  to the features in Ray's object store (not the tensors themselves).
+VisionEncoder -> Ingress and LLMDecode: `EncodedMedia`, i.e. the key, metadata and a
+  reference to the features in Ray's object store (not the tensors themselves).
 Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images and videos, plus the
-  references of features computed for this request: the decoder takes those
-  directly, while the Redis write runs behind the response.
+  references of the VisionEncoder calls computing features for this request, made
+  before they finish: the decoder waits for those and takes the features directly,
+  while the Redis write runs behind the response.
 LLMDecode -> Ingress: `DecodeChunk`s (several token deltas merged per chunk).
 
 Errors: a stage that refuses its input (a bad image, a prompt too long) answers with
@@ -46,7 +47,8 @@ class DecodeRequest:
     messages: list[dict[str, Any]] | None  # chat-template messages, one {"type": "image"|"video"} part per item
     media_keys: list[str]  # one per image or video part, in prompt order
     sampling: Any  # vLLM's validated Chat/CompletionRequest: LLMDecode calls its to_sampling_params
-    # key -> ObjectRef of Features computed for this request; other keys are read from the cache.
+    # key -> ObjectRef of the VisionEncoder call computing it for this request (EncodedMedia or
+    # IrisError); other keys are read from the cache.
     delivered: dict[str, Any] = field(default_factory=dict)
     tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenant.py cache_salt)
     prompt: str | None = None  # /v1/completions: a text prompt instead of messages
