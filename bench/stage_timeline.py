@@ -66,7 +66,7 @@ def request_segments(marks: list[dict], sent: float, first_token: float) -> list
             seen.setdefault(m["stage"], m["t"])
     stages: list[str] = []
     for stage in sorted(seen, key=ORDER.__getitem__):
-        if not stages or seen[stage] >= seen[stages[-1]] or stage == "client.first_token":
+        if not stages or seen[stage] >= seen[stages[-1]]:
             stages.append(stage)
     return [(a, b, (seen[b] - seen[a]) * 1000) for a, b in zip(stages, stages[1:])]
 

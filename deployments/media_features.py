@@ -163,8 +163,8 @@ class MediaFeatures:
         (a bad video, a dead replica) is the request's answer, whatever the decoder made of it."""
         encodes, media.encodes = media.encodes, None
         if encodes is None:
-            return await open_stream(dict(media.delivered))
-        opening = asyncio.ensure_future(open_stream(dict(media.delivered)))
+            return await open_stream(media.delivered)
+        opening = asyncio.ensure_future(open_stream(media.delivered))
         try:
             await encodes
         except BaseException:
@@ -265,7 +265,6 @@ class MediaFeatures:
             except asyncio.CancelledError:
                 encoded.cancel()  # stop the replicas' work too (queued encoder batches drop it)
                 pixels.cancel()
-                submitted.cancel()
                 raise
             if isinstance(result, IrisError):
                 if result.code == "model_changed":
