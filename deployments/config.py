@@ -81,6 +81,13 @@ class IrisConfig(BaseModel):
         description="Compute dtype of the vision encoder and of vLLM (vLLM's --dtype); auto takes the "
         "checkpoint's. One setting for both, so features equal vLLM's own.",
     )
+    decoder_features: Literal["auto", "connector"] = Field(
+        "auto",
+        description="How features reach vLLM on the decode replicas. auto: as image/video embeddings where "
+        "vLLM takes them back for the model, else through Iris's EC connector (the engine gets the item, "
+        "its processor lays out the placeholders, and the connector fills its encoder cache: docs/families.md). "
+        "connector: through the connector for every family (to compare the two paths).",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=lambda: {"max_model_len": 4096},
         description="Extra vLLM AsyncEngineArgs for LLMDecode (e.g. max_model_len, "
@@ -138,7 +145,7 @@ class IrisConfig(BaseModel):
             if name in value and value[name] != required:
                 raise ValueError(f"engine_args.{name} must be {required}: Iris feeds features as embeddings "
                                  "and relies on prefix caching")
-        for name in ("model", "dtype", "limit_mm_per_prompt"):
+        for name in ("model", "dtype", "limit_mm_per_prompt", "ec_transfer_config"):
             if name in value:
                 raise ValueError(f"set {name!r} through Iris's own field, not engine_args")
         return value
@@ -152,4 +159,5 @@ class IrisConfig(BaseModel):
         (processor settings, dtype, fingerprint)."""
         return VisionModel(resolve_model(self.model), self.dtype,
                            {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
-                           self.engine_args.get("mm_processor_kwargs"), self.engine_args.get("media_io_kwargs"))
+                           self.engine_args.get("mm_processor_kwargs"), self.engine_args.get("media_io_kwargs"),
+                           connector=self.decoder_features == "connector")

@@ -4,6 +4,9 @@ Features computed for this request arrive as object-store references (kept in
 this replica's L1 for the next request); others are read from the cache.
 `multi_modal_uuids` are set to the cache keys, so vLLM's prefix cache knows an
 image or clip it has seen before, whichever replica computed the features.
+For a modality vLLM takes no embeddings for, the engine gets the item itself (from
+the bytes the features carry) and Iris's EC connector in the engine takes the
+features from a staging folder this replica writes (pipeline/ec_connector.py).
 
 Token deltas are merged into one chunk per `stream_interval_s` (the first is
 sent at once): one Ray message per token costs more than the token on a busy node.
@@ -30,6 +33,7 @@ from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.cpu_binding import omp_threads_bind
+from pipeline.ec_connector import FeatureStaging, ec_transfer_config
 from pipeline.errors import IrisError, bad_request
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
@@ -37,6 +41,7 @@ from pipeline.stage_trace import mark
 from pipeline.stream_merge import merged_outputs
 from pipeline.tenant import cache_salt
 from pipeline.tokenize import TokenizeJob
+from pipeline.vision_model import CONNECTOR
 from pipeline.vllm_sampling import max_tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -60,10 +65,16 @@ class LLMDecode:
         self.processor = AutoProcessor.from_pretrained(checkpoint)
         # Keys of other weights (a rolling update) are refused.
         self.fingerprint = self.vision.expected_fingerprint()
+        # Modalities vLLM takes no embeddings for: the engine's EC connector reads their features
+        # from a staging folder of this replica's.
+        connector_widths = {m: form.width for m, form in self.vision.forms.items()
+                            if m in self.vision.modalities and form.delivery == CONNECTOR}
+        self.staging = FeatureStaging() if connector_widths else None
+        connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
         args = AsyncEngineArgs(
             model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
             limit_mm_per_prompt={m: self.vision.limits[m] for m in self.vision.modalities},
-            **{**config.engine_args, **REQUIRED_ENGINE_ARGS},
+            **{**config.engine_args, **REQUIRED_ENGINE_ARGS, **connector},
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.max_model_len = self.engine.model_config.max_model_len
@@ -82,6 +93,8 @@ class LLMDecode:
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
         self.generating = 0  # generate() calls in progress on this replica
         await self._warm_up_logprobs()
+        if self.staging is not None:
+            await self._check_connector()
 
     async def _warm_up_logprobs(self) -> None:
         """vLLM compiles its logprobs kernel (torch.compile, `batched_count_greater_than`) on the
@@ -97,6 +110,36 @@ class LLMDecode:
         async for _ in self.engine.generate({"prompt_token_ids": tokens}, params, "iris-logprobs-warm-up"):
             pass
         logger.info("LLMDecode: vLLM's logprobs path warmed up in %.1f s", time.monotonic() - started)
+
+    async def _check_connector(self) -> None:
+        """One image through the EC connector before the replica takes traffic: the engine must
+        take the features the encoder computed for it and never run its own tower. A family
+        neither vLLM's embedding input nor the connector serves is refused here, naming why."""
+        from vllm import SamplingParams
+
+        arch = self.engine.model_config.architecture
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+        prompt = {"prompt_token_ids": self._prompt_token_ids(None, messages, False)}
+        key, staged = f"iris-connector-check-{os.getpid()}-{time.monotonic_ns()}", []
+        try:
+            prompt.update(await self._media_input([key], [self.vision.sample_features], ["image"], staged))
+            async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), "iris-connector-check"):
+                pass
+        except Exception as err:
+            raise RuntimeError(f"{arch}: vLLM takes no image embeddings for it, and its engine failed on an "
+                               f"image through Iris's EC connector ({type(err).__name__}: {err}); Iris cannot "
+                               "serve it") from err
+        finally:
+            self.staging.release(staged)
+        for _ in range(50):  # vLLM's stat loggers record a step's connector stats just after its outputs
+            counts = connector_counts()
+            if counts["loaded"] + counts["encoded"]:
+                break
+            await asyncio.sleep(0.05)
+        if counts != {"loaded": 1, "encoded": 0}:
+            raise RuntimeError(f"{arch}: vLLM takes no image embeddings for it, and its engine did not take "
+                               f"the encoder's features through Iris's EC connector ({counts}); Iris cannot serve it")
+        logger.info("LLMDecode: %s's features reach vLLM through Iris's EC connector", arch)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         self.generating += 1
@@ -115,11 +158,6 @@ class LLMDecode:
                                "(requests vLLM holds now: %s)", request.request_id, waited, self._unfinished())
 
     async def _generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.exceptions import EngineGenerateError
-
         mark("decode.start", request.request_id)
         keys = request.media_keys
         modalities = request.modalities or ["image"] * len(keys)
@@ -149,7 +187,6 @@ class LLMDecode:
         mark("decode.features_in", request.request_id)
 
         req = request.sampling
-        tokenizer = self.processor.tokenizer
         # /v1/completions: vLLM adds the tokenizer's special tokens (BOS); chat: the template holds them.
         # vLLM expands each image placeholder into its feature tokens.
         token_ids = self._prompt_token_ids(request.prompt, request.messages, req.add_special_tokens)
@@ -166,11 +203,52 @@ class LLMDecode:
             return
         # Per-tenant salt: prefix-cache hits (and so TTFT) never depend on other tenants' prompts.
         engine_prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
+        staged: list[str] = []
+        try:
+            try:
+                engine_prompt.update(await self._media_input(keys, features, modalities, staged))
+            except IrisError as err:
+                yield DecodeChunk(error=err)
+                return
+            async with aclosing(self._engine_chunks(request, engine_prompt, n_prompt)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if staged:  # the engine took the features in its prefill (or never will: the request ended)
+                self.staging.release(staged)
+
+    async def _media_input(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
+        """The engine prompt's `multi_modal_data` and `multi_modal_uuids` (the cache keys). Items of
+        a modality vLLM takes no embeddings for go as themselves, decoded from their bytes, and their
+        features to the staging folder (their keys appended to `staged`), where the engine's EC
+        connector reads them."""
+        data, uuids = {}, {}
         for modality in dict.fromkeys(modalities):  # vLLM counts each modality's items apart, in prompt order
             mine = [i for i, m in enumerate(modalities) if m == modality]
-            engine_prompt.setdefault("multi_modal_data", {})[modality] = self.vision.embedding_input(
-                [features[i] for i in mine], modality)
-            engine_prompt.setdefault("multi_modal_uuids", {})[modality] = [keys[i] for i in mine]
+            uuids[modality] = [keys[i] for i in mine]
+            items = [features[i] for i in mine]
+            if self.vision.forms[modality].delivery != CONNECTOR:
+                data[modality] = self.vision.embedding_input(items, modality)
+                continue
+            try:  # decoding an image or a clip is CPU work: off the event loop
+                data[modality] = await asyncio.to_thread(self.vision.decoder_input, items, modality)
+            except Exception as err:  # bytes Iris's own checks let through but vLLM's loader refuses
+                raise bad_request(f"vLLM cannot decode this {modality}: {err}", param="messages",
+                                  code=f"invalid_{modality}") from None
+            for key, f in zip(uuids[modality], items):
+                self.staging.stage(key, f)
+                staged.append(key)
+        return {"multi_modal_data": data, "multi_modal_uuids": uuids} if data else {}
+
+    async def _engine_chunks(self, request: DecodeRequest, engine_prompt: dict, n_prompt: int
+                             ) -> AsyncIterator[DecodeChunk]:
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        req = request.sampling
+        tokenizer = self.processor.tokenizer
         try:  # as vLLM's serving_chat: the max_tokens default and generation_config come in here
             max_tokens = get_max_tokens(self.max_model_len, max_tokens_of(req), n_prompt, self.default_sampling_params,
                                         override_max_tokens=self.max_tokens_limit)  # also caps the default
@@ -293,8 +371,11 @@ class LLMDecode:
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
         # finished or went away, since a cancelled generate() aborts its engine request.
-        return {"cache": self.cache.stats(), "generating": self.generating,
-                "engine_unfinished": self.engine.get_num_unfinished_requests()}
+        stats = {"cache": self.cache.stats(), "generating": self.generating,
+                 "engine_unfinished": self.engine.get_num_unfinished_requests()}
+        if self.staging is not None:  # items the connector supplied and items the engine's tower encoded
+            stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged}
+        return stats
 
     def _check_length(self, n_prompt: int, max_tokens: int | None) -> str | None:
         """vLLM would silently cut max_tokens; OpenAI answers 400 instead."""
@@ -314,6 +395,21 @@ class LLMDecode:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if getattr(self, "staging", None) is not None:
+            self.staging.close()
+
+
+def connector_counts() -> dict[str, int]:
+    """This process's engine's EC connector counters (pipeline/ec_connector.py), from vLLM's
+    Prometheus metrics: items the connector supplied, items the engine's own tower encoded."""
+    from prometheus_client import REGISTRY
+
+    counts = {"loaded": 0, "encoded": 0}
+    for family in REGISTRY.collect():
+        for name in counts:
+            if family.name == f"vllm:iris_ec_{name}_items":
+                counts[name] += int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    return counts
 
 
 def _min_prompt_tokens(model_config) -> int:

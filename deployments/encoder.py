@@ -75,9 +75,10 @@ class VisionEncoder:
     def get_fingerprint(self) -> str:
         return self.fingerprint
 
-    def get_modalities(self) -> list[str]:
-        """What this model serves: "image", and "video" where vLLM takes its video features back."""
-        return list(self.vision.modalities)
+    def get_modalities(self) -> dict[str, str]:
+        """What this model serves ("image", and "video" where vLLM's processor takes videos),
+        each with how its features reach the decoder: "embeddings" or "connector"."""
+        return {m: self.vision.forms[m].delivery for m in self.vision.modalities}
 
     async def encode(self, key: str, pixels: PixelInputs | IrisError, tenant: str = "default"
                      ) -> EncodedMedia | IrisError:

@@ -43,6 +43,7 @@ from pipeline.errors import IrisError, bad_request
 from pipeline.media import fetch_client, load_media_bytes
 from pipeline.stage_io import EncodedMedia, MediaJob
 from pipeline.stage_trace import mark
+from pipeline.vision_model import CONNECTOR
 
 # Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see open_decode).
 KNOWN_KEYS = 100_000
@@ -93,7 +94,7 @@ class MediaFeatures:
         self.cache_metrics = CacheMetrics(self.cache)
         self.http = fetch_client(config.media)  # SSRF-guarded: public addresses unless allowed
         self._fingerprint: str | None = None
-        self._modalities: list[str] = []  # what the model takes, asked with the fingerprint
+        self._modalities: dict[str, str] = {}  # what the model takes -> delivery, asked with the fingerprint
         self._inflight: dict[str, Encoding] = {}  # key -> its running encode
         self._waiters: dict[str, int] = {}  # key -> requests waiting for its running encode
         self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
@@ -215,7 +216,9 @@ class MediaFeatures:
                 joined.append(key)
             elif key not in self._known:
                 i = media.keys.index(key)
-                job = MediaJob(media.names[i], key, media.datas[i], media.modalities[i], media.tenant)
+                modality = media.modalities[i]
+                job = MediaJob(media.names[i], key, media.datas[i], modality, media.tenant,
+                               keep_source=self._modalities.get(modality) == CONNECTOR)
                 self._inflight[key] = self._start(job)
                 own.append(key)
         if not own and not joined:

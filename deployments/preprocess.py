@@ -64,10 +64,13 @@ class Preprocess:
         if cancelled.is_set():  # the caller left while the bytes were decoded: skip the processor
             raise asyncio.CancelledError
         try:
-            return self.vision.preprocess(media, m)
+            pixels = self.vision.preprocess(media, m)
         except ValueError as err:  # e.g. Qwen2-VL refuses aspect ratios above 200
             raise bad_request(f"{m} cannot be preprocessed for this model: {err}", param=job.name,
                               code=f"invalid_{m}") from err
+        if job.keep_source:
+            pixels.source = job.data
+        return pixels
 
     async def pixels(self, job: MediaJob) -> PixelInputs | IrisError:
         """A client error (bad image) is returned, not raised: it reaches the ingress as a value."""

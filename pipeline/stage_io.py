@@ -32,6 +32,7 @@ class MediaJob:
     data: bytes
     modality: str = "image"
     tenant: str = "default"  # whose turn it is in the stages' fair sharing (pipeline/fair_gate.py)
+    keep_source: bool = False  # the features carry `data` (the decoder's engine needs the item: EC connector)
 
 
 @dataclass

@@ -12,11 +12,16 @@
 - LLMDecode: the features go back to vLLM as embeddings in the form the
   model's data parser declares per modality (`embedding_fields`: e.g. Qwen's
   `image_embeds` + `image_grid_thw`, `video_embeds` + `video_grid_thw`);
-  families that declare nothing take one tensor per item.
+  families that declare nothing take one tensor per item. Where vLLM takes no
+  embeddings for a modality (Gemma 3, Mistral 3, Idefics3, InternVL's videos, ...),
+  the engine gets the item itself with its key, and Iris's EC connector puts the
+  features into the engine's encoder cache (pipeline/ec_connector.py): those
+  features carry the item's bytes (`SOURCE`), for the engine's processor.
 
-So nothing here asks which model it serves: a family vLLM accepts embeddings
-for needs no Iris code. A modality is served when vLLM's processor knows it and
-vLLM takes the model's own features back for it (checked at load).
+So nothing here asks which model it serves: a family vLLM serves needs no Iris
+code. Which way a modality's features reach the decoder is decided at load: as
+embeddings where vLLM takes the model's own features back unchanged, else
+through the connector.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pipeline.encoder_loading import load_encoder_only
 
 FINGERPRINT_CHARS = 16
 MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
+SOURCE = "source"  # connector delivery: the item's bytes as uploaded (uint8), for the engine's processor
+EMBEDDINGS, CONNECTOR = "embeddings", "connector"  # how features reach the decoder (EmbeddingForm.delivery)
 
 # Metadata that some families' embedding inputs carry but vLLM's processor does not output
 # for pixels, by field name, from the image: MiniCPM-V sizes its slice grid from the
@@ -53,12 +60,15 @@ class PixelInputs:
     num_tokens: int
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
     modality: str = "image"
+    source: bytes | None = None  # the item's bytes, kept where the decoder needs them (connector delivery)
 
 
 @dataclass
 class EmbeddingForm:
     """How vLLM takes one modality's precomputed features: its data parser's `embedding_fields`
-    (a dict of values + metadata tensors, e.g. Qwen's), or one tensor per item (LLaVA)."""
+    (a dict of values + metadata tensors, e.g. Qwen's), or one tensor per item (LLaVA); or,
+    `delivery` "connector", not as embeddings at all: the engine gets the item and Iris's EC
+    connector fills its encoder cache with the values."""
 
     values_field: str
     metadata_fields: tuple[str, ...]
@@ -66,6 +76,13 @@ class EmbeddingForm:
     batched_values: bool = False  # dict input: one tensor per item rather than all rows in one
     width: int | None = None  # of the values, known once the encoder was loaded here
     metadata_kinds: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # name -> (dtype, ndim)
+    delivery: str = EMBEDDINGS  # or CONNECTOR; decided by VisionModel.load_encoder
+
+    def tensor_names(self) -> set[str]:
+        """What one item's features hold."""
+        if self.delivery == CONNECTOR:
+            return {self.values_field, SOURCE}
+        return {self.values_field, *self.metadata_fields}
 
     @classmethod
     def of(cls, parser_class, modality: str) -> "EmbeddingForm":
@@ -73,6 +90,15 @@ class EmbeddingForm:
         values = [name for name, role in roles.items() if role == "values"]
         return cls(values[0] if values else f"{modality}_embeds",
                    tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
+
+
+def sample_image_bytes(side: int = 64) -> bytes:
+    """A grey PNG: the image the encoder warms up with and the decoder checks its path with."""
+    import io
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
 
 
 def sample_video(frames: int = 4, side: int = 64) -> tuple[np.ndarray, dict]:
@@ -103,14 +129,18 @@ class VisionModel:
     `dtype` is vLLM's dtype argument ("auto": the checkpoint's); the encoder and
     the decoder must agree on it for features to equal vLLM's own. `max_items` caps
     images and videos per prompt (vLLM's `limit_mm_per_prompt`); `media_io_kwargs`
-    is vLLM's `--media-io-kwargs` (e.g. {"video": {"num_frames": 16}}), for the loader."""
+    is vLLM's `--media-io-kwargs` (e.g. {"video": {"num_frames": 16}}), for the loader.
+    `connector`: deliver every modality through the EC connector, also where vLLM takes
+    embeddings (to compare the two paths)."""
 
     def __init__(self, checkpoint: str, dtype: str = "auto", max_items: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None):
+                 mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None,
+                 connector: bool = False):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.multimodal import MULTIMODAL_REGISTRY
 
         self.checkpoint = checkpoint
+        self.force_connector = connector
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
         self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
@@ -122,8 +152,7 @@ class VisionModel:
         model_config = self.vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
-        # The modalities this model may serve: vLLM's processor knows them and the limits allow
-        # them; load_encoder() drops those vLLM takes no embeddings for.
+        # The modalities this model serves: vLLM's processor knows them and the limits allow them.
         supported = self.processor.info.get_supported_mm_limits()
         self.modalities = tuple(m for m in MODALITIES if m in supported and limits.get(m))
         parser_class = type(self.processor.data_parser)
@@ -132,6 +161,9 @@ class VisionModel:
         self._prompts = {m: self.processor.dummy_inputs.get_dummy_text({m: 1}) for m in self.modalities}
         self.model: torch.nn.Module | None = None
         self._weights_digest: str | None = None
+        # Features of the load-time image sample (`sample_image_bytes`), with its bytes where the
+        # decoder needs them: LLMDecode checks its path to the engine with them.
+        self.sample_features: Features | None = None
 
     # --- Preprocess (CPU) -------------------------------------------------------
     def preprocess(self, media: Any, modality: str = "image") -> PixelInputs:
@@ -171,39 +203,49 @@ class VisionModel:
         image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
         return VideoMediaIO(image_io, **video_kwargs).load_bytes(data).media
 
+    def load_image(self, data: bytes) -> Image.Image:
+        """An image decoded by vLLM's image loader, as `vllm serve` decodes it (RGB, its
+        --media-io-kwargs). Raises on bytes it cannot decode."""
+        from vllm.multimodal.media import ImageMediaIO
+
+        return ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {}))).load_bytes(data).media
+
     # --- VisionEncoder ------------------------------------------------------------
     def load_encoder(self) -> None:
-        """vLLM's model class with the tower and projector only, on vLLM's device."""
+        """vLLM's model class with the tower and projector only, on vLLM's device; and, per
+        modality, how its features reach the decoder."""
         self.model, self._weights_digest = load_encoder_only(self.vllm_config)
         # A small sample of each modality warms the tower up and tells the width of its
         # features, which vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's
-        # carry DeepStack taps); vLLM must take them back as embeddings.
-        samples = {"image": Image.new("RGB", (64, 64), (128, 128, 128)), "video": sample_video()}
+        # carry DeepStack taps).
+        image = sample_image_bytes()
+        samples = {"image": self.load_image(image), "video": sample_video()}
+        arch = self.vllm_config.model_config.architecture
         for modality in self.modalities:
-            (warm,) = self.encode([self.preprocess(samples[modality], modality)])
+            pixels = self.preprocess(samples[modality], modality)
+            (warm,) = self.encode([pixels])
             form = self.forms[modality]
             form.width = int(warm.tensors[form.values_field].shape[1])
             form.metadata_kinds = {name: (warm.tensors[name].dtype, warm.tensors[name].ndim)
                                    for name in form.metadata_fields}
-            try:
-                self._check_embedding_input(warm, modality)
-            except ValueError:
-                if modality == "image":
-                    raise
-                logger.warning("%s: serving images without %s", self.vllm_config.model_config.architecture,
-                               modality, exc_info=True)
-        self.modalities = tuple(m for m in self.modalities if self.forms[m].width is not None)
+            problem = None if self.force_connector else self._embedding_input_problem(warm, modality)
+            if self.force_connector or problem:
+                form.delivery = CONNECTOR
+                logger.info("%s: %s features reach the decoder through Iris's EC connector (%s)", arch, modality,
+                            problem or "configured")
+            if modality == "image":
+                pixels.source = image
+                self.sample_features = self._features(warm.tensors[form.values_field], pixels)
 
     @torch.inference_mode()
-    def _check_embedding_input(self, features: Features, modality: str) -> None:
+    def _embedding_input_problem(self, features: Features, modality: str) -> str | None:
         """Give the model its own features back as an embedding input, the way vLLM's engine
         does for a request (parser, processor, batching, `embed_multimodal`): they must come
-        back unchanged. Families whose vLLM class takes no embeddings for a modality fail
-        here, at start-up, rather than on every request."""
+        back unchanged. Why they do not, or None. Families whose vLLM class takes no
+        embeddings for a modality fail here."""
         from vllm.config import set_current_vllm_config
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
-        arch = self.vllm_config.model_config.architecture
         form = self.forms[modality]
         try:
             # Dict input: vLLM's field config decides whether the values are one tensor of all
@@ -216,12 +258,10 @@ class VisionModel:
                                                             device=self.vllm_config.device_config.device)
                 (back,) = self.model.embed_multimodal(**kwargs)
         except Exception as err:
-            form.width = None
-            raise ValueError(f"{arch}: vLLM does not take this model's {modality} features back as "
-                             f"embeddings ({type(err).__name__}: {err}), so Iris cannot serve them") from err
+            return f"vLLM takes no {modality} embeddings for it: {type(err).__name__}: {err}"
         if not torch.equal(back.cpu(), features.tensors[form.values_field]):
-            form.width = None
-            raise ValueError(f"{arch}: vLLM changes {modality} embeddings on input; Iris cannot serve them")
+            return f"vLLM changes {modality} embeddings on input"
+        return None
 
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
@@ -239,7 +279,13 @@ class VisionModel:
     def _features(self, embedding: torch.Tensor, pixels: PixelInputs) -> Features:
         form = self.forms[pixels.modality]
         tensors = {form.values_field: embedding.detach().to("cpu").contiguous()}
-        for name in form.metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
+        if form.delivery == CONNECTOR:
+            if pixels.source is not None:  # (None: load_encoder's sample)
+                tensors[SOURCE] = torch.frombuffer(bytearray(pixels.source), dtype=torch.uint8)
+            metadata_fields = ()
+        else:
+            metadata_fields = form.metadata_fields
+        for name in metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
             value = pixels.item[name].data if name in pixels.item else pixels.metadata[name]
             # Lists of numbers (Qwen3-VL's frame timestamps) as float64, which keeps their printed value.
             tensors[name] = value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
@@ -277,6 +323,15 @@ class VisionModel:
             self.model = None
 
     # --- LLMDecode ----------------------------------------------------------------
+    def decoder_input(self, features: list[Features], modality: str = "image") -> Any:
+        """`multi_modal_data[modality]` for these features, in prompt order: embeddings, or
+        (connector delivery) the items themselves, decoded by vLLM's loaders from their bytes
+        (the engine's processor lays out their placeholders; the connector brings the values)."""
+        if self.forms[modality].delivery == EMBEDDINGS:
+            return self.embedding_input(features, modality)
+        load = self.load_image if modality == "image" else self.load_video
+        return [load(f.tensors[SOURCE].numpy().tobytes()) for f in features]
+
     def embedding_input(self, features: list[Features], modality: str = "image") -> Any:
         """`multi_modal_data[modality]` for these features, in prompt order."""
         form = self.forms[modality]
@@ -306,7 +361,7 @@ class VisionModel:
         if modality not in self.modalities:
             return f"{modality!r} features; this model serves {list(self.modalities)}"
         form = self.forms[modality]
-        expected = {form.values_field, *form.metadata_fields}
+        expected = form.tensor_names()
         if set(features.tensors) != expected:
             return f"tensors {sorted(features.tensors)}, expected {sorted(expected)}"
         values = features.tensors[form.values_field]
@@ -316,6 +371,10 @@ class VisionModel:
             return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
         if form.width is not None and values.shape[1] != form.width:
             return f"{form.values_field} is {values.shape[1]} wide, this model's features {form.width}"
+        if form.delivery == CONNECTOR:
+            # The rows are checked against the engine's own placeholder by the connector.
+            source = features.tensors[SOURCE]
+            return None if source.dtype == torch.uint8 and source.ndim == 1 else f"{SOURCE} is not a byte string"
         for name, (dtype, ndim) in form.metadata_kinds.items():
             if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
                 return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
