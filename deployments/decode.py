@@ -33,7 +33,7 @@ from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.metrics import CacheMetrics
 from pipeline.cpu_binding import omp_threads_bind
-from pipeline.ec_connector import FeatureStaging, ec_transfer_config
+from pipeline.ec_connector import FeatureStaging, connector_counts, ec_transfer_config
 from pipeline.errors import IrisError, bad_request
 from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
@@ -371,8 +371,8 @@ class LLMDecode:
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
         # finished or went away, since a cancelled generate() aborts its engine request.
-        stats = {"cache": self.cache.stats(), "generating": self.generating,
-                 "engine_unfinished": self.engine.get_num_unfinished_requests()}
+        stats = {"replica": serve.get_replica_context().replica_id.unique_id, "cache": self.cache.stats(),
+                 "generating": self.generating, "engine_unfinished": self.engine.get_num_unfinished_requests()}
         if self.staging is not None:  # items the connector supplied and items the engine's tower encoded
             stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged}
         return stats
@@ -397,19 +397,6 @@ class LLMDecode:
             engine.shutdown()
         if getattr(self, "staging", None) is not None:
             self.staging.close()
-
-
-def connector_counts() -> dict[str, int]:
-    """This process's engine's EC connector counters (pipeline/ec_connector.py), from vLLM's
-    Prometheus metrics: items the connector supplied, items the engine's own tower encoded."""
-    from prometheus_client import REGISTRY
-
-    counts = {"loaded": 0, "encoded": 0}
-    for family in REGISTRY.collect():
-        for name in counts:
-            if family.name == f"vllm:iris_ec_{name}_items":
-                counts[name] += int(sum(s.value for s in family.samples if s.name.endswith("_total")))
-    return counts
 
 
 def _min_prompt_tokens(model_config) -> int:

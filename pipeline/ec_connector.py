@@ -171,6 +171,20 @@ class IrisECPromMetrics(ECConnectorPromMetrics):
                 per_engine[engine_idx].inc(transfer_stats_data[name])
 
 
+def connector_counts() -> dict[str, int]:
+    """This process's vLLM engine's connector counters, from vLLM's Prometheus metrics (its stat
+    loggers run where the engine's client runs): items the connector supplied, items the
+    engine's own tower encoded."""
+    from prometheus_client import REGISTRY
+
+    counts = {"loaded": 0, "encoded": 0}
+    for family in REGISTRY.collect():
+        for name in counts:
+            if family.name == f"vllm:iris_ec_{name}_items":
+                counts[name] += int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    return counts
+
+
 class IrisECConnector(ECConnectorBase):
     def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)

@@ -39,7 +39,9 @@ def _processing_source(arch: str) -> str:
     if model_cls is None:
         raise ImportError(f"vLLM could not import {arch}")
     factory = model_cls._processor_factory
-    modules = {cls.__module__ for part in (factory.processor, factory.info) for cls in inspect.getmro(part)
+    # A factory part is a class, or a function that picks one (LLaVA's: LLaVA or Pixtral-HF): its module.
+    modules = {cls.__module__ for part in (factory.processor, factory.info)
+               for cls in (inspect.getmro(part) if isinstance(part, type) else [part])
                if cls.__module__.startswith("vllm.model_executor.models.")}
     return "\n".join(inspect.getsource(sys.modules[m]) for m in sorted(modules))
 
@@ -57,6 +59,13 @@ def _builtin_architectures() -> dict[str, tuple[str, bool]]:
     return found
 
 
+def takes_image_embeddings(arch: str) -> bool:
+    """Whether vLLM's multimodal processing of `arch` has an image-embedding input (read from
+    its source): Iris then hands the decoder embeddings, else the EC connector."""
+    source = _processing_source(arch)
+    return bool("ImageEmbeddingItems" in source or re.search(r'embedding_fields\s*=\s*\{\s*"image"', source))
+
+
 def _why_not(arch: str) -> str:
     try:
         source = _processing_source(arch)
@@ -64,10 +73,8 @@ def _why_not(arch: str) -> str:
         return f"not inspected: {type(err).__name__} on import"
     if '"image"' not in source and "'image'" not in source:
         return "no image input"
-    embeddings = "ImageEmbeddingItems" in source or re.search(r'embedding_fields\s*=\s*\{\s*"image"', source)
-    if not embeddings:
-        return "vLLM takes no image embeddings for it (vLLM source)"
-    return "vLLM takes image embeddings; no built-in checkpoint or test in Iris yet"
+    path = "image embeddings" if takes_image_embeddings(arch) else "the EC connector (vLLM takes no image embeddings)"
+    return f"would take {path}; no built-in checkpoint or test in Iris yet"
 
 
 def rows() -> list[tuple[str, str, str]]:

@@ -1,7 +1,11 @@
 """Every family Iris serves, end to end, against `vllm serve` on the same tiny checkpoint.
 
-For each served built-in family (and one in bf16) one Iris app and one vLLM OpenAI
-server run side by side. The server is monolithic (its own processor and tower) and
+For each built-in family tested through an app (BUILDERS' `tested`; the others:
+tests/test_family_engines.py) one Iris app and one vLLM OpenAI server run side by side.
+Families vLLM takes no image embeddings for (read from vLLM's source) get their features
+through Iris's EC connector, and their app runs two decode replicas: an upload-free request
+is answered from the feature cache whichever replica takes it, and no decode engine's tower
+ever runs (the connector's counters). The server is monolithic (its own processor and tower) and
 also writes its encoder's output per image through vLLM's `ECExampleConnector`
 (`ec_role: ec_both`), so one engine gives both references:
 - greedy tokens: one image, two image sizes, two images in one prompt; one video, and a
@@ -12,7 +16,11 @@ also writes its encoder's output per image through vLLM's `ECExampleConnector`
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,8 +28,9 @@ import ray
 import torch
 from ray import serve
 
-from pipeline.models.builtin import BUILDERS, SERVED_FAMILIES
-from tests.support.apps import beside, reference_args
+from pipeline.models.builtin import APP_TESTED_FAMILIES, BUILDERS
+from pipeline.vision_model import CONNECTOR, EMBEDDINGS
+from tests.support.apps import beside, reference_args, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.videos import clip_bytes
 
@@ -36,7 +45,7 @@ FEATURE_RTOL = 4e-6
 # model (Qwen3.5, MiniCPM-V 4.6), whose linear attention vLLM runs on the CPU in bfloat16 only.
 # LLaVA first and Qwen2-VL last: their apps are also test_api_parity's and test_serving's, run just
 # before and just after this module (conftest), so each starts once.
-VARIANTS = sorted([(family, BUILDERS[family].specs["tiny"].dtype) for family in SERVED_FAMILIES],
+VARIANTS = sorted([(family, BUILDERS[family].specs["tiny"].dtype) for family in APP_TESTED_FAMILIES],
                   key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"))
 # Families whose built-in Iris serves video for: vLLM takes their video features back as embeddings
 # and the built-in chat template places videos. The others answer a video with a 400.
@@ -44,6 +53,18 @@ VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["square"])}
 # Families with a hybrid (linear-attention) language model: vLLM's CPU build cannot prefill one token.
 HYBRID_FAMILIES = ("qwen3_5", "minicpmv4_6")
+# Connector families' apps: deployed as serve_config.yaml is, with two decode replicas behind
+# Serve's default router (each request lands on either).
+TWO_DECODERS = {"import_path": "deployments.app:build_app", "deployments": [{"name": "LLMDecode", "num_replicas": 2}]}
+
+
+def takes_image_embeddings(checkpoint: str) -> bool:
+    """From vLLM's own source of the checkpoint's architecture (scripts/family_table.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import family_table
+
+    arch = json.loads((Path(checkpoint) / "config.json").read_text())["architectures"][0]
+    return family_table.takes_image_embeddings(arch)
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{d}" for f, d in VARIANTS])
@@ -51,9 +72,10 @@ def systems(request, iris_apps, tiny_checkpoint, vllm_server):
     """(family, dtype, Iris base URL, Iris app name, vLLM base URL, vLLM's encoder-output folder).
     Kept when done: the next module may want the same app (reference_args)."""
     family, dtype = request.param
+    config = None if takes_image_embeddings(tiny_checkpoint(family)) else TWO_DECODERS
     with beside(lambda: vllm_server(family, dtype),
                 iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME),
-                              keep=True)
+                              keep=True, config=config)
                 ) as (app, (vllm, ec_dir)):
         # The next variant's reference starts while this one's tests run.
         selected = list(dict.fromkeys(item.callspec.params["systems"] for item in request.session.items
@@ -158,3 +180,65 @@ def test_one_token_prompt_leaves_the_replica_serving(systems):
     else:
         assert r.status_code == 200, r.text
     assert _chat(iris, ["square"])["choices"][0]["message"]["content"]
+
+
+def test_features_reach_the_decoder_the_way_vllm_takes_them(systems, tiny_checkpoint):
+    """Embeddings where vLLM's source has an image-embedding input for the family, the EC
+    connector where it has none: the encoder's start-up check agrees with vLLM's source."""
+    family, _, _, app, _, _ = systems
+    deliveries = serve.get_deployment_handle("VisionEncoder", app_name=app).get_modalities.remote().result()
+    assert deliveries["image"] == (EMBEDDINGS if takes_image_embeddings(tiny_checkpoint(family)) else CONNECTOR)
+
+
+def _decoder_stats(app: str, replicas: int) -> dict[str, dict]:
+    """replica id -> LLMDecode.stats(), asked until every replica answered (Serve routes each call)."""
+    handle = serve.get_deployment_handle("LLMDecode", app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(100):
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats
+        if len(seen) == replicas:
+            return seen
+    raise AssertionError(f"{len(seen)} of {replicas} LLMDecode replicas answered")
+
+
+def test_upload_free_from_features_no_decode_replica_saw(systems, raw_redis):
+    """The image's features are computed by Preprocess and the encoder alone, straight into the
+    cache; upload-free requests by its uuid are then answered on whichever decode replica takes
+    them, each with the tokens `vllm serve` gives the uploaded image. Connector families (two
+    decode replicas): both replicas answer some, and no decode engine's tower ever ran, in any
+    test of the app (the connector's counters)."""
+    from cache_service.keys import uuid_key
+    from pipeline.stage_io import MediaJob
+
+    family, _, iris, app, vllm, _ = systems
+    encoder = serve.get_deployment_handle("VisionEncoder", app_name=app)
+    connector = encoder.get_modalities.remote().result()["image"] == CONNECTOR
+    replicas = 2 if connector else 1
+    before = _decoder_stats(app, replicas)
+    marker = f"upload-free-{uuid.uuid4().hex[:8]}"
+    key = uuid_key(encoder.get_fingerprint.remote().result(), "default", marker, running_app(app).namespace)
+    pixels = serve.get_deployment_handle("Preprocess", app_name=app).pixels.remote(
+        MediaJob("image[0]", key, png_bytes("tall"), keep_source=connector))
+    encoder.encode.remote(key, pixels).result()
+    deadline = time.monotonic() + 30
+    while not raw_redis.exists(key):  # the encoder writes behind its answer
+        assert time.monotonic() < deadline, "the encoder's features never reached Redis"
+        time.sleep(0.1)
+
+    expected = _tokens(_chat(vllm, ["tall"]))
+    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": None, "uuid": marker}, {"type": "text", "text": REFERENCE_TEXT}]}]}
+    for _ in range(16):  # Serve's default router: both replicas take some (all on one: 2 in 65536)
+        r = httpx.post(f"{iris}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-iris-images"] == "cached=1,computed=0"
+        assert _tokens(r.json()) == expected, family
+    if connector:
+        after = _decoder_stats(app, replicas)
+        assert set(after) == set(before)
+        for replica, stats in after.items():
+            loaded = stats["ec_connector"]["loaded"] - before[replica]["ec_connector"]["loaded"]
+            assert loaded >= 1, (family, replica, before[replica], stats)  # it took some: from the cache
+            assert stats["ec_connector"]["encoded"] == 0, (family, replica, stats)
+            assert stats["ec_connector"]["staged"] == 0, (family, replica, stats)  # nothing left behind

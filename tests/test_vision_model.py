@@ -1,7 +1,7 @@
 """VisionModel without Ray: vLLM's processor, encoder-only model and embedding form
-for each served family, for images and (where vLLM takes them) videos; what its
-features must look like; the fingerprint the decoder agrees with the encoder;
-families vLLM takes no embeddings for, refused."""
+for each family, for images and (where vLLM's processor takes them) videos; how the
+features reach the decoder (embeddings, or the EC connector where vLLM takes none);
+what its features must look like; the fingerprint the decoder agrees with the encoder."""
 
 from __future__ import annotations
 
@@ -9,27 +9,34 @@ import pytest
 import torch
 
 from cache_service.codec import Features
-from pipeline.models.builtin import BUILDERS, SERVED_FAMILIES
-from pipeline.vision_model import VisionModel
-from tests.support.images import SIZES, make_image
+from pipeline.models.builtin import FAMILIES
+from pipeline.vision_model import CONNECTOR, EMBEDDINGS, SOURCE, VisionModel
+from tests.support.images import png_bytes
 from tests.support.videos import clip_bytes
+from tests.test_families import takes_image_embeddings
 
-UNSERVED = [family for family, builtin in BUILDERS.items() if not builtin.served]
-# Families vLLM 0.32 takes video embeddings for (InternVL: it takes videos, but not their features back).
-TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "minicpmv4_6"}
+# Families whose vLLM processor takes videos; vLLM 0.32 takes InternVL's back only through the connector.
+TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "minicpmv4_6", "internvl"}
+VIDEO_BY_CONNECTOR = {"internvl"}
 
 
-@pytest.fixture(scope="module", params=SERVED_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES)
 def encoded(request, tiny_checkpoint):
-    """(vision, features): two images and, where the model takes video, one clip, in one batch."""
+    """(vision, features): two images and, where the model takes video, one clip, in one batch,
+    with their bytes where the decoder needs them (connector delivery)."""
     vision = VisionModel(tiny_checkpoint(request.param))
     vision.load_encoder()
     assert ("video" in vision.modalities) == (request.param in TAKES_VIDEO), vision.modalities
-    items = [(make_image(*SIZES[n]), "image") for n in ("wide", "tall")]
+    items = [(png_bytes(n), vision.load_image(png_bytes(n)), "image") for n in ("wide", "tall")]
     if "video" in vision.modalities:
-        items.append((vision.load_video(clip_bytes()), "video"))
-    features = vision.encode([vision.preprocess(media, modality) for media, modality in items])
-    assert [f.meta.get("modality", "image") for f in features] == [m for _, m in items]
+        items.append((clip_bytes(), vision.load_video(clip_bytes()), "video"))
+    batch = []
+    for data, media, modality in items:
+        pixels = vision.preprocess(media, modality)
+        pixels.source = data
+        batch.append(pixels)
+    features = vision.encode(batch)
+    assert [f.meta.get("modality", "image") for f in features] == [m for _, _, m in items]
     return vision, features
 
 
@@ -76,7 +83,8 @@ def test_metadata_must_match_the_embeddings(encoded):
     vision, features = encoded
     checked = 0
     for f in features:
-        for name in _form(vision, f).metadata_fields:
+        form = _form(vision, f)
+        for name in form.metadata_fields if form.delivery == EMBEDDINGS else ():
             meta = f.tensors[name]
             # (Values of float metadata, e.g. Qwen3-VL's frame timestamps, size nothing: any will do.)
             values = [] if meta.is_floating_point() else [meta * 2 + 1]
@@ -115,8 +123,33 @@ def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint, dtype):
     assert VisionModel(str(copy), dtype).expected_fingerprint() != original.fingerprint()
 
 
-@pytest.mark.parametrize("family", UNSERVED)
-def test_families_vllm_takes_no_embeddings_for_are_refused_at_start(family, tiny_checkpoint):
-    vision = VisionModel(tiny_checkpoint(family))
-    with pytest.raises(ValueError, match="does not take this model's image features back as embeddings"):
-        vision.load_encoder()
+def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):
+    """Images: the connector exactly for the families whose vLLM source has no image-embedding
+    input (scripts/family_table.py reads it); videos: the connector for InternVL. Connector
+    features carry the item's bytes for the engine's processor, embeddings never."""
+    vision, features = encoded
+    family = next(f for f in FAMILIES if tiny_checkpoint(f) == vision.checkpoint)
+    image = EMBEDDINGS if takes_image_embeddings(vision.checkpoint) else CONNECTOR
+    assert vision.forms["image"].delivery == image, family
+    if "video" in vision.modalities:
+        assert vision.forms["video"].delivery == (CONNECTOR if family in VIDEO_BY_CONNECTOR else EMBEDDINGS)
+    for f in features:
+        connector = _form(vision, f).delivery == CONNECTOR
+        assert (SOURCE in f.tensors) == connector, (family, f.modality)
+        if connector:
+            assert vision.feature_problem(Features({k: v for k, v in f.tensors.items() if k != SOURCE}, f.meta))
+
+
+def test_connector_delivery_can_be_forced_and_decodes_the_bytes(tiny_checkpoint):
+    """decoder_features: connector, for a family vLLM takes embeddings for: the decoder input is
+    the image vLLM's own loader decodes from the bytes the features carry."""
+    vision = VisionModel(tiny_checkpoint("llava"), connector=True)
+    vision.load_encoder()
+    assert vision.forms["image"].delivery == CONNECTOR
+    pixels = vision.preprocess(vision.load_image(png_bytes("wide")))
+    pixels.source = png_bytes("wide")
+    (features,) = vision.encode([pixels])
+    assert vision.feature_problem(features) is None
+    (image,) = vision.decoder_input([features])
+    assert image.size == vision.load_image(png_bytes("wide")).size and image.mode == "RGB"
+    assert vision.sample_features is not None and SOURCE in vision.sample_features.tensors

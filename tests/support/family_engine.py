@@ -1,0 +1,107 @@
+"""One family's image path against one vLLM engine, in a process of its own (a cheaper
+fidelity check than a whole app and a `vllm serve` per family; tests/test_family_engines.py).
+
+    python -m tests.support.family_engine CHECKPOINT DTYPE     # prints one JSON line
+
+Iris's VisionModel (vLLM's processor and model class, encoder-only) computes the features of
+the test images and says how they reach the decoder; then vLLM's engine (in this process,
+with Iris's EC connector, as LLMDecode builds it) answers each case twice, greedily:
+- "engine": the images under uuids nobody staged, so the engine runs its own tower, as
+  `vllm serve` does; its encoder output is kept to compare Iris's features with;
+- "iris": the same images under other uuids, fed as LLMDecode feeds them: embeddings, or the
+  images with their features staged for the connector.
+The connector's counters (vLLM's Prometheus metrics) say, per run, which items it supplied
+and which the engine's tower encoded. "chat": one image through vLLM's chat rendering, the
+route `vllm serve` answers a chat request by.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+
+CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall", "wide"]}
+MAX_TOKENS = 12
+
+
+def main(checkpoint: str, dtype: str) -> dict:
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    from pipeline.ec_connector import FeatureStaging, connector_counts, ec_transfer_config
+    from pipeline.vision_model import CONNECTOR, VisionModel
+    from tests.support.images import REFERENCE_TEXT, png_bytes
+
+    vision = VisionModel(checkpoint, dtype, max_items={"image": 2, "video": 0})
+    vision.load_encoder()
+    form = vision.forms["image"]
+    features = {}
+    for name in ("square", "wide", "tall"):
+        pixels = vision.preprocess(vision.load_image(png_bytes(name)))
+        pixels.source = png_bytes(name)
+        (features[name],) = vision.encode([pixels])
+        assert vision.feature_problem(features[name]) is None, vision.feature_problem(features[name])
+    vision.model = None
+    # vLLM shares rotary-embedding modules between models built in one process: the encoder-only
+    # build above left the language model's unallocated.
+    _ROPE_DICT.clear()
+
+    staging = FeatureStaging()
+    llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
+              enforce_eager=True, limit_mm_per_prompt={"image": 2}, seed=0, disable_log_stats=False,
+              ec_transfer_config=ec_transfer_config(staging.dir, {"image": form.width}))
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+
+    def answer(images: list[str], uuids: list[str], iris: bool) -> dict:
+        messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
+                     + [{"type": "text", "text": REFERENCE_TEXT}]}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        token_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        mine = [features[n] for n in images]
+        if not iris:
+            data = [vision.load_image(png_bytes(n)) for n in images]
+        elif form.delivery == CONNECTOR:
+            for uuid, f in zip(uuids, mine):
+                staging.stage(uuid, f)
+            data = vision.decoder_input(mine, "image")
+        else:
+            data = vision.embedding_input(mine, "image")
+        before = connector_counts()
+        out = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": data},
+                            "multi_modal_uuids": {"image": uuids}}, params, use_tqdm=False)[0].outputs[0]
+        if iris and form.delivery == CONNECTOR:
+            staging.release(uuids)
+        after = connector_counts()
+        return {"tokens": list(out.token_ids),
+                "logprobs": [next(iter(lp.values())).logprob for lp in out.logprobs],
+                **{name: after[name] - before[name] for name in after}}
+
+    result = {"delivery": form.delivery, "cases": {}, "features": {}}
+    for case, images in CASES.items():
+        result["cases"][case] = {
+            "engine": answer(images, [f"engine-{case}-{i}" for i in range(len(images))], iris=False),
+            "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True)}
+    for name, uuid in (("square", "engine-one image-0"), ("wide", "engine-another size-0")):
+        (engine,) = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())
+        ours = features[name].tensors[form.values_field]
+        result["features"][name] = {"shape": [list(ours.shape), list(engine.shape)],
+                                    "dtype": [str(ours.dtype), str(engine.dtype)],
+                                    "max_diff": (ours.float() - engine.float()).abs().max().item(),
+                                    "scale": engine.float().abs().max().item()}
+    url = "data:image/png;base64," + base64.b64encode(png_bytes("square")).decode()
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": REFERENCE_TEXT}]}]
+    result["chat"] = list(llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+                          .outputs[0].token_ids)
+    staging.close()
+    return result
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its encoder cache can be read
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
