@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.models.builtin import (gemma3, idefics3, internvl, llava, llava_next, minicpmv4_6, mistral3, qwen2_vl,
-                                     qwen3_5, qwen3_vl)
+                                     qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe)
 from pipeline.models.builtin.common import SEED, Spec
 
 
@@ -76,6 +76,13 @@ BUILDERS = {
         # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
         "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
     }, qwen3_5.build),
+    "qwen3_vl_moe": Builtin({
+        # 4 experts, 2 active, expert MLP 96 wide (not square: vLLM and transformers transpose by layout)
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
+    }, qwen3_vl_moe.build, tested="engine"),
+    "qwen3_5_moe": Builtin({
+        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
+    }, qwen3_5_moe.build, tested="engine"),
     "llava_next": Builtin({
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
     }, llava_next.build),
