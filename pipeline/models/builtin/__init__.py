@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.models.builtin import (gemma3, idefics3, internvl, llava, llava_next, minicpmv4_6, mistral3, qwen2_vl,
-                                     qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe)
+from pipeline.models.builtin import (gemma3, glm4v, idefics3, internvl, llava, llava_next, minicpmv4_6, mistral3,
+                                     qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe, smolvlm)
 from pipeline.models.builtin.common import SEED, Spec
 
 
@@ -102,6 +102,13 @@ BUILDERS = {
     "idefics3": Builtin({
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
     }, idefics3.build),
+    "glm4v": Builtin({  # GLM-4.1V
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+    }, glm4v.build),
+    "smolvlm": Builtin({
+        # 64 px tiles of 16 px patches, pixel shuffle x2: 4 tokens a tile, up to 2x2 tiles + a global view
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
+    }, smolvlm.build),
     "mistral3": Builtin({
         # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
