@@ -21,6 +21,8 @@ EXPERIMENTS = {
     "soak": ("bench.soak", "Iris at saturation for minutes: RSS, TTLs, locks, errors"),
     "tenants": ("bench.tenant_fairness", "two tenants, one flooding with large images: fair sharing against "
                 "first come, first served"),
+    "ec-connector": ("bench.ec_connector_cost", "one image's cost on a decode replica through Iris's EC connector, "
+                     "step by step (decode, processor, staging, load) against the embeddings path"),
     "json-body": ("bench.json_body_bench", "the ingress's request-body parse: msgspec against json.loads"),
     "stage-timeline": ("bench.stage_timeline", "where one Iris request's milliseconds go, stage by stage"),
     "vision-vs-prefill": ("bench.vision_vs_prefill", "one image through preprocessing, the vision tower and "

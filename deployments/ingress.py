@@ -102,7 +102,7 @@ class Ingress:
         except IrisError as err:
             return self._error(err, "stats")
         return {"ingress": dict(self.metrics.counts), "cache": self.features.cache.stats(),
-                "tenant_limits": dict(self.limiter.stats)}
+                "tenant_limits": dict(self.limiter.stats), "model": await self.features.model()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

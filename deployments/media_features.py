@@ -175,6 +175,11 @@ class MediaFeatures:
             raise
         return await opening
 
+    async def model(self) -> dict:
+        """The encoder's fingerprint (what a plain `vllm serve` with Iris's EC connector needs to
+        read these keys: docs/families.md) and how each modality's features reach the decoder."""
+        return {"fingerprint": await self._get_fingerprint(), "features_to_decoder": dict(self._modalities)}
+
     async def _get_fingerprint(self) -> str:
         if self._fingerprint is None:
             self._fingerprint, self._modalities = await asyncio.gather(

@@ -92,12 +92,12 @@ class EmbeddingForm:
                    tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
 
 
-def sample_image_bytes(side: int = 64) -> bytes:
+def sample_image_bytes(width: int = 64, height: int = 64) -> bytes:
     """A grey PNG: the image the encoder warms up with and the decoder checks its path with."""
     import io
 
     out = io.BytesIO()
-    Image.new("RGB", (side, side), (128, 128, 128)).save(out, format="PNG")
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
     return out.getvalue()
 
 
@@ -155,6 +155,9 @@ class VisionModel:
         # The modalities this model serves: vLLM's processor knows them and the limits allow them.
         supported = self.processor.info.get_supported_mm_limits()
         self.modalities = tuple(m for m in MODALITIES if m in supported and limits.get(m))
+        for m in self.modalities:  # vLLM's own limit for the model (PaliGemma: one image a prompt)
+            if supported[m] is not None:
+                limits[m] = min(limits[m], supported[m])
         parser_class = type(self.processor.data_parser)
         self.forms = {m: EmbeddingForm.of(parser_class, m) for m in self.modalities}
         # The prompt text of one item: the processor expands it into the item's placeholder tokens.
@@ -218,15 +221,18 @@ class VisionModel:
         # A small sample of each modality warms the tower up and tells the width of its
         # features, which vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's
         # carry DeepStack taps).
+        # Two images of other shapes: a prompt's images may become different token counts, which
+        # some families' embedding input does not take (LLaVA-OneVision's: one tensor for all).
         image = sample_image_bytes()
-        samples = {"image": self.load_image(image), "video": sample_video()}
+        samples = {"image": [self.load_image(image), self.load_image(sample_image_bytes(128, 48))],
+                   "video": [sample_video()]}
         arch = self.vllm_config.model_config.architecture
         for modality in self.modalities:
-            pixels = self.preprocess(samples[modality], modality)
-            (warm,) = self.encode([pixels])
+            batch = [self.preprocess(sample, modality) for sample in samples[modality][:self.limits[modality]]]
+            pixels, warm = batch[0], self.encode(batch)
             form = self.forms[modality]
-            form.width = int(warm.tensors[form.values_field].shape[1])
-            form.metadata_kinds = {name: (warm.tensors[name].dtype, warm.tensors[name].ndim)
+            form.width = int(warm[0].tensors[form.values_field].shape[1])
+            form.metadata_kinds = {name: (warm[0].tensors[name].dtype, warm[0].tensors[name].ndim)
                                    for name in form.metadata_fields}
             problem = None if self.force_connector else self._embedding_input_problem(warm, modality)
             if self.force_connector or problem:
@@ -235,14 +241,14 @@ class VisionModel:
                             problem or "configured")
             if modality == "image":
                 pixels.source = image
-                self.sample_features = self._features(warm.tensors[form.values_field], pixels)
+                self.sample_features = self._features(warm[0].tensors[form.values_field], pixels)
 
     @torch.inference_mode()
-    def _embedding_input_problem(self, features: Features, modality: str) -> str | None:
-        """Give the model its own features back as an embedding input, the way vLLM's engine
-        does for a request (parser, processor, batching, `embed_multimodal`): they must come
-        back unchanged. Why they do not, or None. Families whose vLLM class takes no
-        embeddings for a modality fail here."""
+    def _embedding_input_problem(self, features: list[Features], modality: str) -> str | None:
+        """Give the model its own features of these items back as the embedding input of one
+        prompt, the way vLLM's engine does for a request (parser, processor, batching,
+        `embed_multimodal`): they must come back unchanged. Why they do not, or None. Families
+        whose vLLM class takes no embeddings for a modality fail here."""
         from vllm.config import set_current_vllm_config
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
@@ -251,15 +257,18 @@ class VisionModel:
             # Dict input: vLLM's field config decides whether the values are one tensor of all
             # items' rows (Qwen) or one tensor per item (MiniCPM-V); one item tells which.
             if form.dict_input:
-                form.batched_values = not self._parses_as_one(features, modality)
-            out = self.processor(self._prompts[modality], self._parse([features], modality), hf_processor_mm_kwargs={})
+                form.batched_values = not self._parses_as_one(features[0], modality)
+            prompt = self.processor.dummy_inputs.get_dummy_text({modality: len(features)})
+            out = self.processor(prompt, self._parse(features, modality), hf_processor_mm_kwargs={})
+            back = []
             with set_current_vllm_config(self.vllm_config):
-                (_, _, kwargs), = group_and_batch_mm_kwargs([(modality, out["mm_kwargs"][modality][0])],
-                                                            device=self.vllm_config.device_config.device)
-                (back,) = self.model.embed_multimodal(**kwargs)
+                for _, _, kwargs in group_and_batch_mm_kwargs([(modality, item) for item in out["mm_kwargs"][modality]],
+                                                              device=self.vllm_config.device_config.device):
+                    back.extend(self.model.embed_multimodal(**kwargs))
         except Exception as err:
             return f"vLLM takes no {modality} embeddings for it: {type(err).__name__}: {err}"
-        if not torch.equal(back.cpu(), features.tensors[form.values_field]):
+        if len(back) != len(features) or not all(torch.equal(b.cpu(), f.tensors[form.values_field])
+                                                 for b, f in zip(back, features)):
             return f"vLLM changes {modality} embeddings on input"
         return None
 

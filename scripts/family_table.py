@@ -1,17 +1,16 @@
-"""The model-family table of docs/families.md, from vLLM's own model registry.
+"""The model-family table of docs/families.md and the README's family list, from vLLM's own
+model registry.
 
-    .venv/bin/python scripts/family_table.py          # rewrite the table in docs/families.md
-    .venv/bin/python scripts/family_table.py --check  # exit 1 when docs/families.md's table is stale
+    .venv/bin/python scripts/family_table.py          # rewrite both
+    .venv/bin/python scripts/family_table.py --check  # exit 1 when either is stale
 
-One row per multimodal architecture the installed vLLM registers: served by Iris
-(the built-in checkpoint and the test that proves it), or why not. "Why not" is
-read from vLLM's source of the architecture's multimodal processing (its processor
-and processing-info classes, with the vLLM classes they inherit from): whether it
-takes image input at all, and whether it accepts precomputed image embeddings (an
-`ImageEmbeddingItems` branch, or dict-form `embedding_fields` for images), which
-is what Iris feeds the decoder. Built-in checkpoints that
-vLLM serves but takes no embeddings for are proven unserved by a test
-(Iris refuses them at start-up).
+One row per multimodal architecture the installed vLLM registers: served by Iris (how its
+features reach the decoder, the built-in checkpoint and the test that proves it), or why
+not. The path is read from vLLM's source of the architecture's multimodal processing (its
+processor and processing-info classes, with the vLLM classes they inherit from): image
+embeddings where it accepts precomputed ones (an `ImageEmbeddingItems` branch, or dict-form
+`embedding_fields` for images), else Iris's EC connector; tests/test_vision_model.py checks
+that Iris's own start-up check chooses the same for every built-in family.
 """
 
 from __future__ import annotations
@@ -24,7 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "families.md"
+README = ROOT / "README.md"
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
+README_BEGIN, README_END = "<!-- families:begin -->", "<!-- families:end -->"
 REMOVED_VLMS = {"MllamaForConditionalGeneration": "Llama 3.2 Vision", "Phi4MMForCausalLM": "Phi-4-multimodal"}
 
 
@@ -46,8 +47,8 @@ def _processing_source(arch: str) -> str:
     return "\n".join(inspect.getsource(sys.modules[m]) for m in sorted(modules))
 
 
-def _builtin_architectures() -> dict[str, tuple[str, bool]]:
-    """architecture -> (built-in family, served), from the built-in tiny checkpoints' configs."""
+def _builtin_architectures() -> dict[str, tuple[str, object]]:
+    """architecture -> (built-in family, its Builtin), from the built-in tiny checkpoints' configs."""
     sys.path.insert(0, str(ROOT))
     from pipeline.models.builtin import BUILDERS
     from pipeline.models.source import resolve_model
@@ -55,7 +56,7 @@ def _builtin_architectures() -> dict[str, tuple[str, bool]]:
     found = {}
     for family, builtin in BUILDERS.items():
         config = json.loads((Path(resolve_model(f"builtin:tiny-{family.replace('_', '-')}")) / "config.json").read_text())
-        found[config["architectures"][0]] = (family, builtin.served)
+        found[config["architectures"][0]] = (family, builtin)
     return found
 
 
@@ -73,8 +74,14 @@ def _why_not(arch: str) -> str:
         return f"not inspected: {type(err).__name__} on import"
     if '"image"' not in source and "'image'" not in source:
         return "no image input"
-    path = "image embeddings" if takes_image_embeddings(arch) else "the EC connector (vLLM takes no image embeddings)"
-    return f"would take {path}; no built-in checkpoint or test in Iris yet"
+    return f"not tested: no built-in checkpoint yet; Iris would serve it through {_path(arch)}"
+
+
+def _path(arch: str) -> str:
+    return "image embeddings" if takes_image_embeddings(arch) else "the EC connector"
+
+
+TESTS = {"app": "tests/test_families.py", "engine": "tests/test_family_engines.py"}
 
 
 def rows() -> list[tuple[str, str, str]]:
@@ -85,11 +92,9 @@ def rows() -> list[tuple[str, str, str]]:
     table = []
     for arch, (module, _) in sorted(_MULTIMODAL_MODELS.items()):
         if arch in builtins:
-            family, served = builtins[arch]
-            name = f"`builtin:tiny-{family.replace('_', '-')}`"
-            status = (f"**served**: {name}, `tests/test_families.py` [{family}]" if served else
-                      f"no: vLLM takes no image embeddings for it ({name} refused at start-up, "
-                      "`tests/test_vision_model.py`)")
+            family, builtin = builtins[arch]
+            status = (f"**served** through {_path(arch)}: `builtin:tiny-{family.replace('_', '-')}`, "
+                      f"`{TESTS[builtin.tested]}` [{family}]")
         else:
             status = _why_not(arch)
         table.append((arch, f"{module.removeprefix('vllm.model_executor.models.')}.py", status))
@@ -99,14 +104,16 @@ def rows() -> list[tuple[str, str, str]]:
     return table
 
 
-def render() -> str:
+def render(table: list[tuple[str, str, str]] | None = None) -> str:
     import vllm
 
-    table = rows()
-    served = sum(1 for *_, s in table if s.startswith("**served**"))
+    table = table or rows()
+    served = [s for *_, s in table if s.startswith("**served**")]
+    connector = sum("the EC connector" in s for s in served)
     lines = [BEGIN,
              f"Made by `scripts/family_table.py` from vLLM {vllm.__version__}'s model registry: "
-             f"{len(table)} multimodal architectures, {served} served and tested end to end.",
+             f"{len(table)} multimodal architectures, {len(served)} served and tested ({len(served) - connector} "
+             f"through image embeddings, {connector} through the EC connector).",
              "",
              "| architecture | vLLM model file | Iris |",
              "|---|---|---|"]
@@ -115,23 +122,40 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def doc_table(text: str) -> str:
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[start:end]
+def readme_list(table: list[tuple[str, str, str]] | None = None) -> str:
+    """The README's sentence of served families, from the table's served rows."""
+    from pipeline.models.builtin import BUILDERS
+
+    table = table or rows()
+    by_path: dict[str, list[str]] = {"image embeddings": [], "the EC connector": []}
+    for *_, status in table:
+        match = re.match(r"\*\*served\*\* through (.+?): .*\[(\w+)\]$", status)
+        if match:
+            by_path[match.group(1)].append(BUILDERS[match.group(2)].name)
+    embeddings, connector = (", ".join(sorted(names, key=str.lower)) for names in by_path.values())
+    return (f"{README_BEGIN}{embeddings}; through Iris's EC connector, for families vLLM takes no image "
+            f"embeddings for: {connector}{README_END}")
+
+
+def doc_table(text: str, begin: str = BEGIN, end: str = END) -> str:
+    start, stop = text.index(begin), text.index(end) + len(end)
+    return text[start:stop]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/families.md's table is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the table or the README's list is stale")
     args = parser.parse_args()
-    text = DOC.read_text()
-    table = render()
-    if args.check:
-        if doc_table(text) != table:
-            sys.exit("docs/families.md's family table is stale: run scripts/family_table.py")
-        return
-    DOC.write_text(text.replace(doc_table(text), table))
-    print(f"docs/families.md: family table written ({table.count(chr(10)) - 4} rows)")
+    table = rows()
+    rendered = {DOC: (render(table), BEGIN, END), README: (readme_list(table), README_BEGIN, README_END)}
+    for path, (new, begin, end) in rendered.items():
+        text = path.read_text()
+        if args.check:
+            if doc_table(text, begin, end) != new:
+                sys.exit(f"{path.name}'s family list is stale: run scripts/family_table.py")
+            continue
+        path.write_text(text.replace(doc_table(text, begin, end), new))
+        print(f"{path.relative_to(ROOT)}: family list written")
 
 
 if __name__ == "__main__":

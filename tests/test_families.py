@@ -47,9 +47,10 @@ FEATURE_RTOL = 4e-6
 # before and just after this module (conftest), so each starts once.
 VARIANTS = sorted([(family, BUILDERS[family].specs["tiny"].dtype) for family in APP_TESTED_FAMILIES],
                   key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"))
-# Families whose built-in Iris serves video for: vLLM takes their video features back as embeddings
-# and the built-in chat template places videos. The others answer a video with a 400.
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# Families whose built-in Iris serves video for: the built-in chat template places videos, and vLLM
+# takes their video features back as embeddings (InternVL: through the EC connector). The others
+# answer a video with a 400.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
 VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["square"])}
 # Families with a hybrid (linear-attention) language model: vLLM's CPU build cannot prefill one token.
 HYBRID_FAMILIES = ("qwen3_5", "minicpmv4_6")

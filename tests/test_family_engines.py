@@ -40,6 +40,9 @@ def checked(request, tiny_checkpoint) -> tuple[str, dict]:
 @pytest.mark.parametrize("case", ["one image", "another size", "two images"])
 def test_greedy_tokens_equal_the_engine_own_tower(checked, case):
     family, result = checked
+    if case not in result["cases"]:  # more images than vLLM takes in one prompt for this model
+        assert result["image_limit"] < len(CASES[case]), (family, case)
+        return
     engine, iris = result["cases"][case]["engine"], result["cases"][case]["iris"]
     assert iris["tokens"] == engine["tokens"], (family, case)
     assert engine["loaded"] == 0, (family, case, engine)  # nothing staged under its uuids: its own tower

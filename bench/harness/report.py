@@ -10,8 +10,10 @@ from bench.harness.metrics import Counters
 from bench.harness.results import label
 from bench.harness.stats import distribution, median_and_range, percentile
 
-IRIS = ("iris", "iris-haproxy")  # each against each peer
+IRIS = ("iris", "iris-haproxy", "iris-connector")  # each against each peer
 PEERS = ("rayllm", "rayllm-affinity", "rayllm-haproxy", "vllm")
+# Iris variants also compared with Iris itself: the EC connector path against the embeddings path.
+AGAINST_IRIS = ("iris-connector",)
 
 
 def summarize(records: list[RequestRecord], duration_s: float, distinct_images: int,
@@ -90,7 +92,7 @@ def ratios(results: list[dict]) -> list[dict]:
         for (system, replicas, point), iris in index.items():
             if system not in IRIS:
                 continue
-            for peer in PEERS:
+            for peer in PEERS + (("iris",) if system in AGAINST_IRIS else ()):
                 other = index.get((peer, replicas, point))
                 if other is None:
                     continue

@@ -4,6 +4,8 @@
     iris-nocache      the same with `redis_url: null` (per-process cache only)
     iris-defaultrouter  the same as iris without its ImageAffinityRouter: Serve's
                       default router for LLMDecode (only run with 2+ replicas)
+    iris-connector    the same as iris with `decoder_features: connector`: features reach
+                      vLLM through Iris's EC connector even where vLLM takes embeddings
     rayllm            Ray Serve LLM: build_openai_app + LLMConfig, default routing
     rayllm-affinity   the same with its PrefixCacheAffinityRouter
     iris-haproxy, rayllm-haproxy  iris and rayllm behind the HAProxy that Ray Serve bundles,
@@ -44,8 +46,8 @@ from bench.harness.results import ROOT
 from pipeline.cpu_binding import omp_threads_bind
 
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
-SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-haproxy", "rayllm", "rayllm-affinity",
-           "rayllm-haproxy", "vllm")
+SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-connector", "iris-haproxy", "rayllm",
+           "rayllm-affinity", "rayllm-haproxy", "vllm")
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
 ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
@@ -289,6 +291,8 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     namespace = None
     if name.startswith("iris"):
         namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
+        if name == "iris-connector":
+            app_args = {**(app_args or {}), "decoder_features": "connector"}
         config = iris_config(engine, replicas, port, cache=name != "iris-nocache", namespace=namespace,
                              affinity_router=name != "iris-defaultrouter", deployments=deployments,
                              app_args=app_args)

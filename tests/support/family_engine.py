@@ -51,7 +51,8 @@ def main(checkpoint: str, dtype: str) -> dict:
 
     staging = FeatureStaging()
     llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
-              enforce_eager=True, limit_mm_per_prompt={"image": 2}, seed=0, disable_log_stats=False,
+              enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
+              disable_log_stats=False,
               ec_transfer_config=ec_transfer_config(staging.dir, {"image": form.width}))
     processor = AutoProcessor.from_pretrained(checkpoint)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
@@ -80,8 +81,11 @@ def main(checkpoint: str, dtype: str) -> dict:
                 "logprobs": [next(iter(lp.values())).logprob for lp in out.logprobs],
                 **{name: after[name] - before[name] for name in after}}
 
-    result = {"delivery": form.delivery, "cases": {}, "features": {}}
+    # vLLM's own limit: some families take one image a prompt (PaliGemma)
+    result = {"delivery": form.delivery, "image_limit": vision.limits["image"], "cases": {}, "features": {}}
     for case, images in CASES.items():
+        if len(images) > vision.limits["image"]:
+            continue
         result["cases"][case] = {
             "engine": answer(images, [f"engine-{case}-{i}" for i in range(len(images))], iris=False),
             "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True)}

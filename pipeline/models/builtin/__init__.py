@@ -35,13 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.models.builtin import (gemma3, glm4v, idefics3, internvl, llava, llava_next, minicpmv4_6, mistral3,
-                                     qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe, smolvlm)
+from pipeline.models.builtin import (gemma3, glm4v, idefics3, internvl, llama4, llava, llava_next, llava_onevision,
+                                     minicpmv4_6, mistral3, paligemma, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl,
+                                     qwen3_vl_moe, smolvlm)
 from pipeline.models.builtin.common import SEED, Spec
 
 
 @dataclass(frozen=True)
 class Builtin:
+    name: str  # the family as its users call it (docs/families.md, the README)
     specs: dict[str, Spec]  # size -> sizes
     build: Callable[[Spec, Path], None]
     # Where its fidelity test runs: "app", a whole Iris app against `vllm serve` on the same
@@ -62,54 +64,64 @@ QWEN2_5_VL_7B = Spec(3584, 28, 28, 4, 1280, 32, 16, 3584, 14, "bfloat16",  # 358
                      text_intermediate=18944, vision_intermediate=3420, vocab_size=152064,
                      vision_full_attention=(7, 15, 23, 31), fast_build=True)
 BUILDERS = {
-    "llava": Builtin({
+    "llava": Builtin("LLaVA", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
         "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
         "7b": LLAVA_1_5_7B,
     }, llava.build),
-    "qwen2_vl": Builtin(QWEN2_SIZES, qwen2_vl.build),
-    "qwen2_5_vl": Builtin({**QWEN2_SIZES, "7b": QWEN2_5_VL_7B}, qwen2_vl.build_2_5),
-    "qwen3_vl": Builtin({
+    "qwen2_vl": Builtin("Qwen2-VL", QWEN2_SIZES, qwen2_vl.build),
+    "qwen2_5_vl": Builtin("Qwen2.5-VL", {**QWEN2_SIZES, "7b": QWEN2_5_VL_7B}, qwen2_vl.build_2_5),
+    "qwen3_vl": Builtin("Qwen3-VL", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
     }, qwen3_vl.build),
-    "qwen3_5": Builtin({
+    "qwen3_5": Builtin("Qwen3.5", {
         # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
         "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
     }, qwen3_5.build),
-    "qwen3_vl_moe": Builtin({
+    "qwen3_vl_moe": Builtin("Qwen3-VL-MoE", {
         # 4 experts, 2 active, expert MLP 96 wide (not square: vLLM and transformers transpose by layout)
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
     }, qwen3_vl_moe.build, tested="engine"),
-    "qwen3_5_moe": Builtin({
+    "qwen3_5_moe": Builtin("Qwen3.5-MoE", {
         "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
     }, qwen3_5_moe.build, tested="engine"),
-    "llava_next": Builtin({
+    "llava_next": Builtin("LLaVA-NeXT", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
     }, llava_next.build),
-    "internvl": Builtin({
+    "internvl": Builtin("InternVL", {
         # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
     }, internvl.build),
-    "minicpmv4_6": Builtin({
+    "minicpmv4_6": Builtin("MiniCPM-V 4.6", {
         # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
         # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
         "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
     }, minicpmv4_6.build),
-    "gemma3": Builtin({
+    "gemma3": Builtin("Gemma 3", {
         # 64 px of 8 px patches: 8x8 patches, average-pooled to 4x4 = 16 tokens an image.
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 8, "float32"),
     }, gemma3.build),
-    "idefics3": Builtin({
+    "idefics3": Builtin("Idefics3", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
     }, idefics3.build),
-    "glm4v": Builtin({  # GLM-4.1V
+    "glm4v": Builtin("GLM-4.1V", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
     }, glm4v.build),
-    "smolvlm": Builtin({
+    "smolvlm": Builtin("SmolVLM", {
         # 64 px tiles of 16 px patches, pixel shuffle x2: 4 tokens a tile, up to 2x2 tiles + a global view
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
-    }, smolvlm.build),
-    "mistral3": Builtin({
+    }, smolvlm.build, tested="engine"),
+    "llama4": Builtin("Llama 4", {
+        # 112 px tiles of 14 px patches, pixel-shuffled to 16 tokens a tile; a dense and an MoE layer
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+    }, llama4.build, tested="engine"),
+    "llava_onevision": Builtin("LLaVA-OneVision", {
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+    }, llava_onevision.build, tested="engine"),
+    "paligemma": Builtin("PaliGemma", {  # 16 tokens an image; vLLM takes one image a prompt
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+    }, paligemma.build, tested="engine"),
+    "mistral3": Builtin("Mistral 3", {
         # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
     }, mistral3.build),
@@ -120,7 +132,7 @@ ENGINE_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tes
 SIZES = ("tiny", "bench", "7b")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
-BUILDER_VERSION = 2  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images
+BUILDER_VERSION = 3  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images; 3: InternVL's too
 
 
 def available() -> list[tuple[str, str]]:

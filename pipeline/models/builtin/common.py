@@ -84,8 +84,9 @@ def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
 
 def chat_template(user_prefix: str, user_suffix: str, assistant_prefix: str, assistant_suffix: str,
                   image: str, generation_prompt: str, system_prefix: str = "", system_suffix: str = "\n",
-                  bos: str = "") -> str:
-    """A Jinja chat template: text and image parts of user messages, string or list content."""
+                  bos: str = "", video: str | None = None) -> str:
+    """A Jinja chat template: text and image parts (and video parts, given `video`) of user
+    messages, string or list content."""
     text_of = ("{{ message['content'] if message['content'] is string "
                "else message['content'] | map(attribute='text') | join('') }}")
     return (
@@ -95,6 +96,7 @@ def chat_template(user_prefix: str, user_suffix: str, assistant_prefix: str, ass
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
         "{% if part['type'] == 'image' %}" + image +
+        ("{% elif part['type'] == 'video' %}" + video if video is not None else "") +
         "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
         "{% endfor %}{% endif %}" + user_suffix +
         "{% else %}" + assistant_prefix + text_of + assistant_suffix + "{% endif %}{% endfor %}"

@@ -15,7 +15,7 @@ INTERNVL_CHAT_TEMPLATE = chat_template(
     user_prefix="<|im_start|>user" + NL, user_suffix="<|im_end|>" + NL,
     assistant_prefix="<|im_start|>assistant" + NL, assistant_suffix="<|im_end|>" + NL,
     image="<IMG_CONTEXT>" + NL, generation_prompt="<|im_start|>assistant" + NL,
-    system_prefix="<|im_start|>system" + NL, system_suffix="<|im_end|>" + NL,
+    system_prefix="<|im_start|>system" + NL, system_suffix="<|im_end|>" + NL, video="<video>" + NL,
 )
 
 INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]

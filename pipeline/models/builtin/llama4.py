@@ -5,6 +5,17 @@ language model.
 Images are resized to a grid of up to MAX_TILES square tiles of `image_size` (Llama 4's
 supported resolutions); with more than one tile a global thumbnail tile follows. Each tile is
 (image_size / patch)² patches, pixel-shuffled (ratio 0.5) to a quarter as many <|patch|> tokens.
+
+Unlike real Llama 4 (which picks the smallest canvas an image fits), images go to the largest
+canvas (`resize_to_max_canvas`): with MAX_TILES 4 always 2 to 4 tiles plus the global one, never
+a single tile. vLLM 0.32's CPU build fails on an encoder batch of one tile: Llama 4's unfold patch
+embedding hands `Unfold(...).permute(0, 2, 1)` ([1, patches, 3·p²], last stride = patches) to its
+oneDNN GEMM, whose `x.reshape(-1, k)` stays a strided view for one tile ("RuntimeError: Expected
+a.stride(-1) == 1") and copies (contiguous) for more. GPUs are not affected.
+
+The language model is Maverick-like: dense and MoE layers alternate (top-1 routed experts beside
+a shared expert), RoPE layers use chunked local attention (the chunk far shorter than Llama 4's
+8192, so test prompts cross chunks) with QK norm, and the last layer is a NoPE global one.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from pathlib import Path
 from pipeline.models.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save, token_ids
 
 MAX_TILES = 4  # tiles an image is cut into at most (plus a global tile when more than one)
+ATTENTION_CHUNK = 128  # chunked local attention span of the RoPE layers (Llama 4: 8192)
 PIXEL_SHUFFLE_RATIO = 0.5
 NUM_EXPERTS = 4  # routed experts (top-1, as Llama 4) beside the shared expert
 
@@ -32,24 +44,9 @@ LLAMA4_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|
                   "<|tile_y_separator|>"]
 
 
-def hub_name(name: str) -> str:
-    """transformers 5 saves `model.language_model.<...>`, `model.vision_model.<...>`,
-    `model.multi_modal_projector.<...>`; vLLM expects the hub layout (`language_model.model.<...>`,
-    `language_model.lm_head`, `vision_model.<...>`, `multi_modal_projector.<...>`)."""
-    if name.startswith("model.language_model."):
-        return "language_model.model." + name[len("model.language_model."):]
-    if name.startswith("lm_head."):
-        return "language_model." + name
-    if name.startswith(("model.vision_model.", "model.multi_modal_projector.")):
-        return name[len("model."):]
-    return name
-
-
 def build(spec: Spec, out: Path) -> None:
     from transformers import (Llama4Config, Llama4ForConditionalGeneration, Llama4ImageProcessor,
                               Llama4Processor)
-
-    from pipeline.models.builtin.common import rename_weights
 
     tokenizer = byte_level_tokenizer(LLAMA4_SPECIAL, bos="<|begin_of_text|>", eos="<|eot|>",
                                      pad="<|finetune_right_pad|>", vocab_size=spec.vocab_size)
@@ -65,7 +62,7 @@ def build(spec: Spec, out: Path) -> None:
         interleave_moe_layer_step=2,
         # Llama 4's NoPE layers every 4th; with 2 layers, the last one.
         no_rope_layers=[int((i + 1) % 4 != 0 and i != spec.text_layers - 1) for i in range(spec.text_layers)],
-        attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True,
+        attention_chunk_size=ATTENTION_CHUNK, use_qk_norm=True, attn_temperature_tuning=True,
         initializer_range=INIT_RANGE, tie_word_embeddings=False, rms_norm_eps=1e-5,
         bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|eot|>"],
         pad_token_id=ids["<|finetune_right_pad|>"],
@@ -89,7 +86,7 @@ def build(spec: Spec, out: Path) -> None:
     config.initializer_range = INIT_RANGE
     image_processor = Llama4ImageProcessor(
         size={"height": spec.image_size, "width": spec.image_size}, max_patches=MAX_TILES,
-        resize_to_max_canvas=False, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
+        resize_to_max_canvas=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     )
     processor = Llama4Processor(
@@ -97,5 +94,5 @@ def build(spec: Spec, out: Path) -> None:
         pixel_shuffle_ratio=PIXEL_SHUFFLE_RATIO, chat_template=LLAMA4_CHAT_TEMPLATE,
     )
     model = Llama4ForConditionalGeneration(config)
+    # transformers 5 saves Llama 4 in the hub layout vLLM loads (language_model.model.*, vision_model.*, ...).
     save(model, processor, tokenizer, spec, out)
-    rename_weights(out, hub_name)

@@ -15,8 +15,6 @@ from pipeline.models.builtin.common import (INIT_RANGE, Spec, byte_level_tokeniz
                                             rename_weights, save)
 
 NL = "{{ '\\n' }}"
-TEXT_OF = ("{{ message['content'] if message['content'] is string "
-           "else message['content'] | map(attribute='text') | join('') }}")
 # Qwen's ChatML with LLaVA-OneVision's "<image>\n" / "<video>\n" before the text of a user turn.
 ONEVISION_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}" + NL +
