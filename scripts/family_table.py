@@ -26,6 +26,10 @@ DOC = ROOT / "docs" / "families.md"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
 README_BEGIN, README_END = "<!-- families:begin -->", "<!-- families:end -->"
+# Architectures no built-in checkpoint can stand for, and why.
+NO_BUILTIN = {"InternVLChatModel": "no built-in: InternVL's original format needs remote code (its config "
+                                   "`internvl_chat` is known to neither transformers 5.19 nor vLLM 0.32 without "
+                                   "`trust_remote_code`); its Hugging Face format is served (`InternVLForConditionalGeneration`)"}
 REMOVED_VLMS = {"MllamaForConditionalGeneration": "Llama 3.2 Vision", "Phi4MMForCausalLM": "Phi-4-multimodal"}
 
 
@@ -91,7 +95,9 @@ def rows() -> list[tuple[str, str, str]]:
     builtins = _builtin_architectures()
     table = []
     for arch, (module, _) in sorted(_MULTIMODAL_MODELS.items()):
-        if arch in builtins:
+        if arch in NO_BUILTIN:
+            status = NO_BUILTIN[arch]
+        elif arch in builtins:
             family, builtin = builtins[arch]
             status = (f"**served** through {_path(arch)}: `builtin:tiny-{family.replace('_', '-')}`, "
                       f"`{TESTS[builtin.tested]}` [{family}]")

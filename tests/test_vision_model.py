@@ -124,13 +124,22 @@ def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint, dtype):
 
 
 def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):
-    """Images: the connector exactly for the families whose vLLM source has no image-embedding
-    input (scripts/family_table.py reads it); videos: the connector for InternVL. Connector
-    features carry the item's bytes for the engine's processor, embeddings never."""
+    """Images: the connector for the families whose vLLM source has no image-embedding input
+    (scripts/family_table.py reads it), and for those whose embedding input takes one image but
+    not two of other sizes in one prompt (LLaVA-NeXT, InternVL, LLaVA-OneVision: one tensor for
+    all); embeddings for the others. Videos: the connector for InternVL. Connector features carry
+    the item's bytes for the engine's processor, embeddings never."""
     vision, features = encoded
     family = next(f for f in FAMILIES if tiny_checkpoint(f) == vision.checkpoint)
-    image = EMBEDDINGS if takes_image_embeddings(vision.checkpoint) else CONNECTOR
-    assert vision.forms["image"].delivery == image, family
+    if not takes_image_embeddings(vision.checkpoint):
+        assert vision.forms["image"].delivery == CONNECTOR, family
+    elif vision.forms["image"].delivery == CONNECTOR:
+        model = VisionModel(vision.checkpoint, connector=True)
+        model.load_encoder()  # (its forms say connector: the check below does not depend on them)
+        one, other = (model.encode([model.preprocess(model.load_image(png_bytes(n)))])[0] for n in ("wide", "tall"))
+        assert one.num_tokens != other.num_tokens, family
+        assert model._embedding_input_problem([one], "image") is None, family
+        assert "inconsistent shapes" in model._embedding_input_problem([one, other], "image"), family
     if "video" in vision.modalities:
         assert vision.forms["video"].delivery == (CONNECTOR if family in VIDEO_BY_CONNECTOR else EMBEDDINGS)
     for f in features:
