@@ -5,12 +5,12 @@ model registry.
     .venv/bin/python scripts/family_table.py --check  # exit 1 when either is stale
 
 One row per multimodal architecture the installed vLLM registers: served by Iris (how its
-features reach the decoder, the built-in checkpoint and the test that proves it), or why
-not. The path is read from vLLM's source of the architecture's multimodal processing (its
-processor and processing-info classes, with the vLLM classes they inherit from): image
-embeddings where it accepts precomputed ones (an `ImageEmbeddingItems` branch, or dict-form
-`embedding_fields` for images), else Iris's EC connector; tests/test_vision_model.py checks
-that Iris's own start-up check chooses the same for every built-in family.
+features reach the decoder, as Iris's own start-up check decides on the built-in checkpoint,
+the checkpoint and the test that proves it), or why not. For the others the path is read from
+vLLM's source of the architecture's multimodal processing (its processor and processing-info
+classes, with the vLLM classes they inherit from): the EC connector where it accepts no
+precomputed image embeddings (no `ImageEmbeddingItems` branch, no dict-form `embedding_fields`
+for images), else embeddings if vLLM takes the model's own features back unchanged.
 """
 
 from __future__ import annotations
@@ -51,22 +51,28 @@ def _processing_source(arch: str) -> str:
     return "\n".join(inspect.getsource(sys.modules[m]) for m in sorted(modules))
 
 
-def _builtin_architectures() -> dict[str, tuple[str, object]]:
-    """architecture -> (built-in family, its Builtin), from the built-in tiny checkpoints' configs."""
+def _builtin_architectures() -> dict[str, tuple[str, object, str]]:
+    """architecture -> (built-in family, its Builtin, how its image features reach the decoder), from
+    the built-in tiny checkpoints: their configs, and Iris's own start-up check on each."""
     sys.path.insert(0, str(ROOT))
     from pipeline.models.builtin import BUILDERS
     from pipeline.models.source import resolve_model
+    from pipeline.vision_model import CONNECTOR, VisionModel
 
     found = {}
     for family, builtin in BUILDERS.items():
-        config = json.loads((Path(resolve_model(f"builtin:tiny-{family.replace('_', '-')}")) / "config.json").read_text())
-        found[config["architectures"][0]] = (family, builtin)
+        checkpoint = resolve_model(f"builtin:tiny-{family.replace('_', '-')}")
+        vision = VisionModel(checkpoint)
+        vision.load_encoder()
+        path = "the EC connector" if vision.forms["image"].delivery == CONNECTOR else "image embeddings"
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        found[config["architectures"][0]] = (family, builtin, path)
     return found
 
 
 def takes_image_embeddings(arch: str) -> bool:
     """Whether vLLM's multimodal processing of `arch` has an image-embedding input (read from
-    its source): Iris then hands the decoder embeddings, else the EC connector."""
+    its source); without one, Iris hands the decoder its features through the EC connector."""
     source = _processing_source(arch)
     return bool("ImageEmbeddingItems" in source or re.search(r'embedding_fields\s*=\s*\{\s*"image"', source))
 
@@ -78,11 +84,8 @@ def _why_not(arch: str) -> str:
         return f"not inspected: {type(err).__name__} on import"
     if '"image"' not in source and "'image'" not in source:
         return "no image input"
-    return f"not tested: no built-in checkpoint yet; Iris would serve it through {_path(arch)}"
-
-
-def _path(arch: str) -> str:
-    return "image embeddings" if takes_image_embeddings(arch) else "the EC connector"
+    path = "image embeddings if vLLM takes them back unchanged" if takes_image_embeddings(arch) else "the EC connector"
+    return f"not tested: no built-in checkpoint yet; Iris would serve it through {path}"
 
 
 TESTS = {"app": "tests/test_families.py", "engine": "tests/test_family_engines.py"}
@@ -98,8 +101,8 @@ def rows() -> list[tuple[str, str, str]]:
         if arch in NO_BUILTIN:
             status = NO_BUILTIN[arch]
         elif arch in builtins:
-            family, builtin = builtins[arch]
-            status = (f"**served** through {_path(arch)}: `builtin:tiny-{family.replace('_', '-')}`, "
+            family, builtin, path = builtins[arch]
+            status = (f"**served** through {path}: `builtin:tiny-{family.replace('_', '-')}`, "
                       f"`{TESTS[builtin.tested]}` [{family}]")
         else:
             status = _why_not(arch)
@@ -139,8 +142,8 @@ def readme_list(table: list[tuple[str, str, str]] | None = None) -> str:
         if match:
             by_path[match.group(1)].append(BUILDERS[match.group(2)].name)
     embeddings, connector = (", ".join(sorted(names, key=str.lower)) for names in by_path.values())
-    return (f"{README_BEGIN}{embeddings}; through Iris's EC connector, for families vLLM takes no image "
-            f"embeddings for: {connector}{README_END}")
+    return (f"{README_BEGIN}{embeddings}; through Iris's EC connector, where vLLM takes no image embeddings "
+            f"(or none for images of other sizes in one prompt): {connector}{README_END}")
 
 
 def doc_table(text: str, begin: str = BEGIN, end: str = END) -> str:

@@ -10,14 +10,15 @@ import torch
 
 from cache_service.codec import Features
 from pipeline.models.builtin import FAMILIES
-from pipeline.vision_model import CONNECTOR, EMBEDDINGS, SOURCE, VisionModel
+from pipeline.vision_model import CONNECTOR, EMBEDDINGS, SOURCE, VisionModel, sample_image_bytes
 from tests.support.images import png_bytes
 from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings
 
 # Families whose vLLM processor takes videos; vLLM 0.32 takes InternVL's back only through the connector.
-TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "minicpmv4_6", "internvl"}
-VIDEO_BY_CONNECTOR = {"internvl"}
+TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6", "internvl",
+               "glm4v", "llava_onevision"}
+VIDEO_BY_CONNECTOR = {"internvl", "glm4v", "llava_onevision"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -125,10 +126,11 @@ def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint, dtype):
 
 def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):
     """Images: the connector for the families whose vLLM source has no image-embedding input
-    (scripts/family_table.py reads it), and for those whose embedding input takes one image but
-    not two of other sizes in one prompt (LLaVA-NeXT, InternVL, LLaVA-OneVision: one tensor for
-    all); embeddings for the others. Videos: the connector for InternVL. Connector features carry
-    the item's bytes for the engine's processor, embeddings never."""
+    (scripts/family_table.py reads it); where it has one, the connector only when vLLM refuses
+    the model's own features of two images of other sizes as one prompt's embeddings (PaliGemma:
+    any; LLaVA-NeXT, InternVL, LLaVA-OneVision: one image is taken, two of other token counts
+    not, their input being one tensor for all). Videos: the connector for the families listed.
+    Connector features carry the item's bytes for the engine's processor, embeddings never."""
     vision, features = encoded
     family = next(f for f in FAMILIES if tiny_checkpoint(f) == vision.checkpoint)
     if not takes_image_embeddings(vision.checkpoint):
@@ -136,10 +138,12 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     elif vision.forms["image"].delivery == CONNECTOR:
         model = VisionModel(vision.checkpoint, connector=True)
         model.load_encoder()  # (its forms say connector: the check below does not depend on them)
-        one, other = (model.encode([model.preprocess(model.load_image(png_bytes(n)))])[0] for n in ("wide", "tall"))
-        assert one.num_tokens != other.num_tokens, family
-        assert model._embedding_input_problem([one], "image") is None, family
-        assert "inconsistent shapes" in model._embedding_input_problem([one, other], "image"), family
+        one, other = (model.encode([model.preprocess(model.load_image(data))])[0]
+                      for data in (sample_image_bytes(), sample_image_bytes(160, 40)))
+        problem = model._embedding_input_problem([one, other][:model.limits["image"]], "image")
+        assert problem is not None, family
+        if model._embedding_input_problem([one], "image") is None:
+            assert one.num_tokens != other.num_tokens and "inconsistent shapes" in problem, (family, problem)
     if "video" in vision.modalities:
         assert vision.forms["video"].delivery == (CONNECTOR if family in VIDEO_BY_CONNECTOR else EMBEDDINGS)
     for f in features:
