@@ -67,8 +67,7 @@ class LLMDecode:
         self.fingerprint = self.vision.expected_fingerprint()
         # Modalities vLLM takes no embeddings for: the engine's EC connector reads their features
         # from a staging folder of this replica's.
-        connector_widths = {m: form.width for m, form in self.vision.forms.items()
-                            if m in self.vision.modalities and form.delivery == CONNECTOR}
+        connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
         self.staging = FeatureStaging() if connector_widths else None
         connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
         args = AsyncEngineArgs(
@@ -93,7 +92,7 @@ class LLMDecode:
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
         self.generating = 0  # generate() calls in progress on this replica
         await self._warm_up_logprobs()
-        if self.staging is not None:
+        if "image" in connector_widths:
             await self._check_connector()
 
     async def _warm_up_logprobs(self) -> None:
@@ -126,9 +125,9 @@ class LLMDecode:
             async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), "iris-connector-check"):
                 pass
         except Exception as err:
-            raise RuntimeError(f"{arch}: vLLM takes no image embeddings for it, and its engine failed on an "
-                               f"image through Iris's EC connector ({type(err).__name__}: {err}); Iris cannot "
-                               "serve it") from err
+            raise RuntimeError(f"{arch}: its engine failed on an image through Iris's EC connector, the one way "
+                               f"to it where vLLM takes no image embeddings ({type(err).__name__}: {err}); Iris "
+                               "cannot serve it") from err
         finally:
             self.staging.release(staged)
         for _ in range(50):  # vLLM's stat loggers record a step's connector stats just after its outputs
@@ -137,8 +136,9 @@ class LLMDecode:
                 break
             await asyncio.sleep(0.05)
         if counts != {"loaded": 1, "encoded": 0}:
-            raise RuntimeError(f"{arch}: vLLM takes no image embeddings for it, and its engine did not take "
-                               f"the encoder's features through Iris's EC connector ({counts}); Iris cannot serve it")
+            raise RuntimeError(f"{arch}: its engine did not take the encoder's features through Iris's EC "
+                               f"connector, the one way to it where vLLM takes no image embeddings ({counts}); "
+                               "Iris cannot serve it")
         logger.info("LLMDecode: %s's features reach vLLM through Iris's EC connector", arch)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:

@@ -106,7 +106,7 @@ BUILDERS = {
     }, idefics3.build),
     "glm4v": Builtin("GLM-4.1V", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
-    }, glm4v.build),
+    }, glm4v.build, tested="engine"),
     "smolvlm": Builtin("SmolVLM", {
         # 64 px tiles of 16 px patches, pixel shuffle x2: 4 tokens a tile, up to 2x2 tiles + a global view
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
@@ -124,7 +124,7 @@ BUILDERS = {
     "mistral3": Builtin("Mistral 3", {
         # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
-    }, mistral3.build),
+    }, mistral3.build, tested="engine"),
 }
 FAMILIES = tuple(BUILDERS)
 APP_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tested == "app")
