@@ -463,7 +463,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
     from bench.__main__ import EXPERIMENTS, main
 
     assert set(EXPERIMENTS) == {"compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                "tenants", "vision-vs-prefill", "vllm", "json-body"}
+                                "tenants", "vision-vs-prefill", "vllm", "json-body", "ec-connector"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -483,7 +483,7 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
 
 
 @pytest.mark.parametrize("name", ["compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                  "tenants", "vision-vs-prefill", "json-body"])
+                                  "tenants", "vision-vs-prefill", "json-body", "ec-connector"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -505,7 +505,8 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
                "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
                "vision-vs-prefill": ["--repeats", "--families", "--out"],
-               "json-body": ["--rounds", "--iters", "--out-dir"]}[name]
+               "json-body": ["--rounds", "--iters", "--out-dir"],
+               "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 

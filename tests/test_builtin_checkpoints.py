@@ -48,6 +48,8 @@ def test_transformers_loads_and_runs(family, tiny_checkpoint):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[prompt], images=[make_image(*SIZES["wide"])], return_tensors="pt")
+    # (Llama 4's image processor hands out bfloat16 pixels whatever the model's dtype.)
+    inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4

@@ -4,8 +4,9 @@ fidelity check than a whole app and a `vllm serve` per family; tests/test_family
     python -m tests.support.family_engine CHECKPOINT DTYPE     # prints one JSON line
 
 Iris's VisionModel (vLLM's processor and model class, encoder-only) computes the features of
-the test images and says how they reach the decoder; then vLLM's engine (in this process,
-with Iris's EC connector, as LLMDecode builds it) answers each case twice, greedily:
+the test images and says how they reach the decoder; then vLLM's engine (in this process, as
+LLMDecode builds it: with Iris's EC connector where the features go through it) answers each
+case twice, greedily:
 - "engine": the images under uuids nobody staged, so the engine runs its own tower, as
   `vllm serve` does; its encoder output is kept to compare Iris's features with;
 - "iris": the same images under other uuids, fed as LLMDecode feeds them: embeddings, or the
@@ -49,11 +50,13 @@ def main(checkpoint: str, dtype: str) -> dict:
     # build above left the language model's unallocated.
     _ROPE_DICT.clear()
 
+    # As LLMDecode builds its engine: the EC connector only where the features take it.
     staging = FeatureStaging()
+    connector = {"ec_transfer_config": ec_transfer_config(staging.dir, {"image": form.width})
+                 } if form.delivery == CONNECTOR else {}
     llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
               enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
-              disable_log_stats=False,
-              ec_transfer_config=ec_transfer_config(staging.dir, {"image": form.width}))
+              enable_mm_embeds=True, disable_log_stats=False, **connector)
     processor = AutoProcessor.from_pretrained(checkpoint)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
 
