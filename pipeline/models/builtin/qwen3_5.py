@@ -20,12 +20,16 @@ from pipeline.models.builtin.qwen3_vl import qwen3_vl_processor, vision_config
 def build(spec: Spec, out: Path) -> None:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+    build_hybrid(spec, out, Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+
+
+def build_hybrid(spec: Spec, out: Path, config_class, model_class, text_config=lambda text: text) -> None:
+    """A Qwen3.5 of `config_class` / `model_class`, its language model's config changed by
+    `text_config` (Qwen3.5-MoE: sparse MLPs)."""
     tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = token_ids(tokenizer, QWEN2_VL_SPECIAL)
-    text = hybrid_text_config(spec, tokenizer)
-    vision = vision_config(spec, deepstack=False)
-    config = Qwen3_5Config(
-        text_config=text, vision_config=vision,
+    config = config_class(
+        text_config=text_config(hybrid_text_config(spec, tokenizer)), vision_config=vision_config(spec, deepstack=False),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
@@ -34,7 +38,7 @@ def build(spec: Spec, out: Path) -> None:
     config.pad_token_id = ids["<|endoftext|>"]
     config.initializer_range = INIT_RANGE
     processor = qwen3_vl_processor(spec, tokenizer)
-    model = Qwen3_5ForConditionalGeneration(config)
+    model = model_class(config)
     save(model, processor, tokenizer, spec, out)
 
 
