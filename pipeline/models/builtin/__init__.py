@@ -103,7 +103,7 @@ BUILDERS = {
     }, gemma3.build),
     "idefics3": Builtin("Idefics3", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
-    }, idefics3.build),
+    }, idefics3.build, tested="engine"),
     "glm4v": Builtin("GLM-4.1V", {
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
     }, glm4v.build, tested="engine"),
