@@ -231,7 +231,7 @@ class LLMDecode:
                 data[modality] = self.vision.embedding_input(items, modality)
                 continue
             try:  # decoding an image or a clip is CPU work: off the event loop
-                data[modality] = await asyncio.to_thread(self.vision.decoder_input, items, modality)
+                data[modality] = await asyncio.to_thread(self.vision.source_items, items, modality)
             except Exception as err:  # bytes Iris's own checks let through but vLLM's loader refuses
                 raise bad_request(f"vLLM cannot decode this {modality}: {err}", param="messages",
                                   code=f"invalid_{modality}") from None

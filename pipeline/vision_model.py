@@ -332,12 +332,10 @@ class VisionModel:
             self.model = None
 
     # --- LLMDecode ----------------------------------------------------------------
-    def decoder_input(self, features: list[Features], modality: str = "image") -> Any:
-        """`multi_modal_data[modality]` for these features, in prompt order: embeddings, or
-        (connector delivery) the items themselves, decoded by vLLM's loaders from their bytes
-        (the engine's processor lays out their placeholders; the connector brings the values)."""
-        if self.forms[modality].delivery == EMBEDDINGS:
-            return self.embedding_input(features, modality)
+    def source_items(self, features: list[Features], modality: str = "image") -> list:
+        """`multi_modal_data[modality]` for connector delivery, in prompt order: the items themselves,
+        decoded by vLLM's loaders from the bytes their features carry (the engine's processor lays
+        out their placeholders; the connector brings the values)."""
         load = self.load_image if modality == "image" else self.load_video
         return [load(f.tensors[SOURCE].numpy().tobytes()) for f in features]
 

@@ -163,6 +163,6 @@ def test_connector_delivery_can_be_forced_and_decodes_the_bytes(tiny_checkpoint)
     pixels.source = png_bytes("wide")
     (features,) = vision.encode([pixels])
     assert vision.feature_problem(features) is None
-    (image,) = vision.decoder_input([features])
+    (image,) = vision.source_items([features])
     assert image.size == vision.load_image(png_bytes("wide")).size and image.mode == "RGB"
     assert vision.sample_features is not None and SOURCE in vision.sample_features.tensors

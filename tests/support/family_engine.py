@@ -71,7 +71,7 @@ def main(checkpoint: str, dtype: str) -> dict:
         elif form.delivery == CONNECTOR:
             for uuid, f in zip(uuids, mine):
                 staging.stage(uuid, f)
-            data = vision.decoder_input(mine, "image")
+            data = vision.source_items(mine, "image")
         else:
             data = vision.embedding_input(mine, "image")
         before = connector_counts()
