@@ -273,8 +273,8 @@ def main(argv: list[str]) -> None:
         results.save(run, path)
         print(json.dumps(run["scaling"], indent=1))
         return
-    from pipeline.vision_model import checkpoint_dtype
-    from pipeline.models.source import resolve_model
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import checkpoint_dtype
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))

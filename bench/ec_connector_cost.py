@@ -1,5 +1,5 @@
 """What one image costs on a decode replica when its features reach vLLM through Iris's EC
-connector (pipeline/ec_connector.py) rather than as embeddings, step by step, on the CPU.
+connector (pipeline/model/ec_connector.py) rather than as embeddings, step by step, on the CPU.
 
     python -m bench ec-connector [--models builtin:tiny-gemma3,builtin:bench-llava] [--rounds 5]
 
@@ -43,9 +43,9 @@ def jpeg(width: int, height: int) -> bytes:
 
 def measure(model: str, rounds: int, iters: int) -> dict:
     from cache_service import codec
-    from pipeline.ec_connector import FeatureStaging, staged_name, values_of
-    from pipeline.models.source import resolve_model
-    from pipeline.vision_model import CONNECTOR, VisionModel
+    from pipeline.model.ec_connector import FeatureStaging, staged_name, values_of
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import CONNECTOR, VisionModel
 
     vision = VisionModel(resolve_model(model), connector=True)
     vision.load_encoder()

@@ -23,7 +23,11 @@ from pathlib import Path
 import torch
 
 from bench.harness import results
-from bench.harness.redis_servers import RedisClusterProcesses, RedisProcess, free_node_port
+from bench.harness.redis_servers import (
+    RedisClusterProcesses,
+    RedisProcess,
+    free_node_port,
+)
 from bench.harness.stats import median_and_range, percentile
 from cache_service.codec import Features, encode
 from cache_service.config import CacheConfig

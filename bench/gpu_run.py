@@ -7,7 +7,7 @@
 For a machine with one NVIDIA GPU (40 GB or more) and no model hub. For each model it
 
 1. builds the random-weight checkpoint `builtin:<size>-<family>` with the project's own builder
-   (pipeline/models/builtin): at `--size 7b`, LLaVA-1.5-7B's and Qwen2.5-VL-7B's dimensions in
+   (pipeline/model/builtin): at `--size 7b`, LLaVA-1.5-7B's and Qwen2.5-VL-7B's dimensions in
    bfloat16 (7.06 B and 8.29 B parameters, 14.1 and 16.6 GB on disk, drawn on the GPU; cached in
    IRIS_CHECKPOINT_DIR, so only the first run builds them; an estimated 1–3 min each, not measured:
    no GPU machine was available when this was written);
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
 
 
 def run_gpu(args, command: str) -> dict:
-    from pipeline.vision_model import checkpoint_dtype
+    from pipeline.model.vision_model import checkpoint_dtype
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     models = [m.strip().replace("-", "_") for m in args.models.split(",") if m.strip()]
@@ -130,7 +130,7 @@ def run_gpu(args, command: str) -> dict:
 def _build(model: str) -> str:
     """The checkpoint's folder, built on first use (on the GPU for the 7b sizes) in a process of its
     own: this one never holds GPU memory or a CUDA context while the systems run."""
-    code = "import sys\nfrom pipeline.models.source import resolve_model\nprint(resolve_model(sys.argv[1]))"
+    code = "import sys\nfrom pipeline.model.source import resolve_model\nprint(resolve_model(sys.argv[1]))"
     done = subprocess.run([sys.executable, "-c", code, model], cwd=results.ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building {model} failed:\n{done.stderr[-3000:]}")

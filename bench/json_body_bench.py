@@ -6,7 +6,7 @@ Bodies as clients send them: a chat request with the harness's 2.7 MB video clip
 with a 640x480 JPEG, and a text-only one. Each round times both parsers on each body,
 alternating which goes first; the figures are the median of the rounds' medians, and
 the ratio msgspec ÷ json the median of the rounds' ratios with its range. Both paths
-run pipeline/json_body.py's whole parse_json_body (UTF-8 check, depth check); the
+run pipeline/api/body.py's whole parse_json_body (UTF-8 check, depth check); the
 stdlib one with msgspec's decoder made to refuse every body, as it does for NaN.
 Writes bench/results/json_body.{json,md}.
 """
@@ -23,7 +23,7 @@ import msgspec
 from bench.harness import results
 from bench.harness.stats import median_and_range, percentile, timed
 from bench.harness.workloads import VideoSpec, WorkloadFactory
-from pipeline import json_body
+from pipeline.api import body as json_body
 
 
 def bodies() -> dict[str, bytes]:

@@ -1,7 +1,7 @@
 """Where the milliseconds of one Iris request go, stage by stage.
 
 Starts Iris as the harness does (bench/harness/systems.py) with IRIS_STAGE_TRACE
-set, so every stage marks its boundaries (pipeline/stage_trace.py), then sends
+set, so every stage marks its boundaries (deployments/stage_trace.py), then sends
 sequential requests of three kinds: a new image each time, the same image again
 and again (served from the feature cache), and text of the same token count.
 Each request's marks, between the client's send and its first token, become
@@ -128,8 +128,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
     args = parser.parse_args(argv)
 
-    from pipeline.vision_model import checkpoint_dtype
-    from pipeline.models.source import resolve_model
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import checkpoint_dtype
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint), max_videos=int(args.video))

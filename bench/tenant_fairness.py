@@ -29,7 +29,12 @@ from pathlib import Path
 from bench.harness import results, systems
 from bench.harness.client import LoadClient, RequestRecord, warm_up
 from bench.harness.stats import median_and_range, percentile
-from bench.harness.workloads import WorkloadFactory, hash_str, jpeg_body_b64, large_image_workload
+from bench.harness.workloads import (
+    WorkloadFactory,
+    hash_str,
+    jpeg_body_b64,
+    large_image_workload,
+)
 
 MODES = {"fair": {"enabled": True}, "fifo": {"enabled": False}}
 PINNED = {"Preprocess": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}
@@ -137,8 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    from pipeline.models.source import resolve_model
-    from pipeline.vision_model import checkpoint_dtype
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import checkpoint_dtype
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))

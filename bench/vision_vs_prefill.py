@@ -34,8 +34,8 @@ def bench_family(family: str, repeats: int) -> dict:
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
 
-    from pipeline.models.source import resolve_model
-    from pipeline.vision_model import VisionModel
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import VisionModel
 
     checkpoint = resolve_model(f"builtin:bench-{family.replace('_', '-')}")
     rng = np.random.default_rng(0)

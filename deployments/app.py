@@ -16,7 +16,7 @@ from deployments.decode import LLMDecode
 from deployments.encoder import VisionEncoder
 from deployments.ingress import Ingress
 from deployments.preprocess import Preprocess
-from pipeline.auth import KeyRing
+from pipeline.tenancy.auth import KeyRing
 
 logger = logging.getLogger("ray.serve")
 

@@ -11,12 +11,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
-from pipeline.auth import AuthConfig
-from pipeline.fair_gate import FairSharing
-from pipeline.media import MediaLimits
-from pipeline.models.source import resolve_model
-from pipeline.tenant_limits import TenantLimits
-from pipeline.vision_model import VisionModel
+from pipeline.media.fetch import MediaLimits
+from pipeline.model.source import resolve_model
+from pipeline.model.vision_model import VisionModel
+from pipeline.tenancy.auth import AuthConfig
+from pipeline.tenancy.fair_gate import FairSharing
+from pipeline.tenancy.limits import TenantLimits
 
 # vLLM engine arguments Iris relies on; users may not turn them off.
 REQUIRED_ENGINE_ARGS = {"enable_mm_embeds": True, "enable_prefix_caching": True}

@@ -6,7 +6,7 @@ this replica's L1 for the next request); others are read from the cache.
 image or clip it has seen before, whichever replica computed the features.
 For a modality vLLM takes no embeddings for, the engine gets the item itself (from
 the bytes the features carry) and Iris's EC connector in the engine takes the
-features from a staging folder this replica writes (pipeline/ec_connector.py).
+features from a staging folder this replica writes (pipeline/model/ec_connector.py).
 
 Token deltas are merged into one chunk per `stream_interval_s` (the first is
 sent at once): one Ray message per token costs more than the token on a busy node.
@@ -25,24 +25,36 @@ import torch
 from ray import serve
 from ray.exceptions import ObjectLostError
 from ray.serve.exceptions import RayServeException
-from vllm.entrypoints.serve.tokenize.protocol import DetokenizeResponse, TokenizeResponse
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeResponse,
+    TokenizeResponse,
+)
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
+from deployments.cpu_binding import omp_threads_bind
 from deployments.metrics import CacheMetrics
-from pipeline.cpu_binding import omp_threads_bind
-from pipeline.ec_connector import FeatureStaging, connector_counts, ec_transfer_config
-from pipeline.errors import IrisError, bad_request
-from pipeline.logprobs import chat_logprobs, completion_logprobs, extend_completion_logprobs, next_text_offset
+from deployments.stage_trace import mark
+from pipeline.api.errors import IrisError, bad_request
+from pipeline.api.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    extend_completion_logprobs,
+    next_text_offset,
+)
+from pipeline.api.sampling import max_tokens_of
+from pipeline.api.stream_merge import merged_outputs
+from pipeline.api.tokenize import TokenizeJob
+from pipeline.model.ec_connector import (
+    FeatureStaging,
+    connector_counts,
+    ec_transfer_config,
+)
+from pipeline.model.vision_model import CONNECTOR
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
-from pipeline.stage_trace import mark
-from pipeline.stream_merge import merged_outputs
-from pipeline.tenant import cache_salt
-from pipeline.tokenize import TokenizeJob
-from pipeline.vision_model import CONNECTOR
-from pipeline.vllm_sampling import max_tokens_of
+from pipeline.tenancy.tenant import cache_salt
 
 logger = logging.getLogger("ray.serve")
 # A request that ends without its first chunk after this long is logged (a deadline, a client that left).
@@ -420,7 +432,7 @@ def _system_fingerprint(vllm_config) -> str | None:
 
 def _bind_engine_cores() -> None:
     """On a CPU-only node, give this replica's engine cores of its own: by default every
-    engine on a node binds the same cores (pipeline/cpu_binding.py). The replica's place
+    engine on a node binds the same cores (deployments/cpu_binding.py). The replica's place
     is its local rank; the engines that may share the node, the deployment's replica
     count (its autoscaling maximum). A VLLM_CPU_OMP_THREADS_BIND set by the user wins."""
     if torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:

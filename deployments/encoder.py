@@ -1,5 +1,5 @@
 """VisionEncoder: vLLM's model class for the checkpoint with the tower and projector
-only (`mm_encoder_only`), batched across requests (pipeline/vision_model.py).
+only (`mm_encoder_only`), batched across requests (pipeline/model/vision_model.py).
 
 Computes each image's features through the cache's single-flight (one
 computation per key cluster-wide), puts them in Ray's object store for the
@@ -23,12 +23,11 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, StageQueueMetrics, latency_histogram
-from pipeline.errors import IrisError
-from pipeline.fair_gate import FairGate
+from deployments.stage_trace import mark
+from pipeline.api.errors import IrisError
+from pipeline.model.vision_model import PixelInputs
 from pipeline.stage_io import EncodedMedia
-from pipeline.stage_trace import mark
-from pipeline.vision_model import PixelInputs
-
+from pipeline.tenancy.fair_gate import FairGate
 
 GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
 

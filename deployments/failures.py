@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import logging
 
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.exceptions import (
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 
-from pipeline.errors import IrisError, server_error
+from pipeline.api.errors import IrisError, server_error
 
 logger = logging.getLogger("ray.serve")
 

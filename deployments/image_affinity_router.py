@@ -12,9 +12,9 @@ This is Iris's own router, a subclass of Serve's pluggable `RequestRouter` base
 class: it replaces Serve's default router (`PowerOfTwoChoicesRequestRouter`) for
 LLMDecode, it does not extend it. `choose_replicas` returns ranks of replicas; the
 base class tries them in order and, within a rank, takes the replica with the
-shortest queue that accepts the request. The ranking itself is `pipeline.affinity`
+shortest queue that accepts the request. The ranking itself is `deployments.affinity`
 (no Ray): rendezvous hashing on the first image's key with a load bound. Requests
-without images get two random replicas from `pipeline.affinity.two_choices`, Iris's
+without images get two random replicas from `deployments.affinity.two_choices`, Iris's
 copy of the power-of-two-choices step, so the shorter of two queues wins. None of
 the default router's mixins are used: no FIFOMixin (it would hand the replica chosen
 for one request's image to whichever request is oldest), no LocalityMixin (same-node
@@ -26,9 +26,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
-from pipeline.affinity import ReplicaLoad, affinity_key, rank_for_key, two_choices
+from deployments.affinity import ReplicaLoad, affinity_key, rank_for_key, two_choices
 
 
 def request_media_keys(pending_request: PendingRequest | None) -> list[str]:

@@ -2,12 +2,12 @@
 
 Routes, validation and responses. A request's images and videos are MediaFeatures'
 job (deployments/media_features.py); its answer comes from LLMDecode as a DecodeStream
-and goes out as vLLM's response models (pipeline/openai_format.py). Every request has
+and goes out as vLLM's response models (pipeline/api/openai_format.py). Every request has
 a deadline (`request_timeout_s`) for all its work.
 
 Every route but /health first checks the API key when keys are configured (401 otherwise,
-pipeline/auth.py); chat and completion requests then pass their tenant's limits (429,
-pipeline/tenant_limits.py) before any media work, and give their slot back when the answer
+pipeline/tenancy/auth.py); chat and completion requests then pass their tenant's limits (429,
+pipeline/tenancy/limits.py) before any media work, and give their slot back when the answer
 ends, however it ends.
 """
 
@@ -29,18 +29,18 @@ from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
 from deployments.media_features import MediaFeatures
 from deployments.metrics import RequestMetrics, TenantMetrics
-from pipeline import openai_format
-from pipeline.auth import KeyRing, unauthorized
-from pipeline.chat_prompt import template_messages
-from pipeline.chat_request import parse_chat_request
-from pipeline.errors import IrisError, bad_request, not_found
-from pipeline.json_body import read_json_body
+from deployments.stage_trace import mark
+from pipeline.api import openai_format
+from pipeline.api.body import read_json_body
+from pipeline.api.chat_prompt import template_messages
+from pipeline.api.chat_request import parse_chat_request
+from pipeline.api.errors import IrisError, bad_request, not_found
+from pipeline.api.sampling import check_max_tokens, validate_sampling
+from pipeline.api.tokenize import parse_detokenize_request, parse_tokenize_request
 from pipeline.stage_io import DecodeChunk, DecodeRequest
-from pipeline.stage_trace import mark
-from pipeline.tenant import bearer_token, tenant_of
-from pipeline.tenant_limits import TenantLimiter, Ticket
-from pipeline.tokenize import parse_detokenize_request, parse_tokenize_request
-from pipeline.vllm_sampling import check_max_tokens, validate_sampling
+from pipeline.tenancy.auth import KeyRing, unauthorized
+from pipeline.tenancy.limits import TenantLimiter, Ticket
+from pipeline.tenancy.tenant import bearer_token, tenant_of
 
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
 

@@ -38,12 +38,12 @@ from cache_service.keys import content_key, uuid_key
 from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
 from deployments.metrics import CacheMetrics, RequestMetrics
-from pipeline.chat_request import ParsedChat
-from pipeline.errors import IrisError, bad_request
-from pipeline.media import fetch_client, load_media_bytes
+from deployments.stage_trace import mark
+from pipeline.api.chat_request import ParsedChat
+from pipeline.api.errors import IrisError, bad_request
+from pipeline.media.fetch import fetch_client, load_media_bytes
+from pipeline.model.vision_model import CONNECTOR
 from pipeline.stage_io import EncodedMedia, MediaJob
-from pipeline.stage_trace import mark
-from pipeline.vision_model import CONNECTOR
 
 # Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see open_decode).
 KNOWN_KEYS = 100_000

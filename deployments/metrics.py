@@ -7,7 +7,7 @@ from collections import Counter
 from ray.serve import metrics
 
 from cache_service.feature_cache import FeatureCache
-from pipeline.tenant import metric_tenant
+from pipeline.tenancy.tenant import metric_tenant
 
 # Stats that are levels, not running counts.
 GAUGES = {"degraded", "l1_bytes", "l1_entries"}
@@ -47,8 +47,8 @@ def latency_histogram(name: str, description: str, tag_keys: tuple[str, ...] = (
 
 
 class StageQueueMetrics:
-    """Seconds an item waited for its tenant's turn in a stage (pipeline/fair_gate.py), by tenant
-    (hashed: pipeline/tenant.py metric_tenant)."""
+    """Seconds an item waited for its tenant's turn in a stage (pipeline/tenancy/fair_gate.py), by tenant
+    (hashed: pipeline/tenancy/tenant.py metric_tenant)."""
 
     def __init__(self, stage: str):
         self.stage = stage
@@ -88,7 +88,7 @@ class RequestMetrics:
 
 
 class TenantMetrics:
-    """Requests per tenant, by outcome. Tenants are tagged by pipeline.tenant.metric_tenant (a
+    """Requests per tenant, by outcome. Tenants are tagged by pipeline.tenancy.tenant.metric_tenant (a
     hash), never by name or key; a 401's key names no tenant, so 401s are tagged `none`."""
 
     def __init__(self, counts: Counter[str]):

@@ -21,12 +21,12 @@ from ray import serve
 
 from deployments.config import IrisConfig
 from deployments.metrics import StageQueueMetrics, latency_histogram
-from pipeline.errors import IrisError, bad_request
-from pipeline.fair_gate import FairGate
-from pipeline.media_decode import check_video, decode_image
+from deployments.stage_trace import mark
+from pipeline.api.errors import IrisError, bad_request
+from pipeline.media.decode import check_video, decode_image
+from pipeline.model.vision_model import PixelInputs
 from pipeline.stage_io import MediaJob
-from pipeline.stage_trace import mark
-from pipeline.vision_model import PixelInputs
+from pipeline.tenancy.fair_gate import FairGate
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})

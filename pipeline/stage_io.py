@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.errors import IrisError
+from pipeline.api.errors import IrisError
 
 
 @dataclass
@@ -31,7 +31,7 @@ class MediaJob:
     key: str
     data: bytes
     modality: str = "image"
-    tenant: str = "default"  # whose turn it is in the stages' fair sharing (pipeline/fair_gate.py)
+    tenant: str = "default"  # whose turn it is in the stages' fair sharing (pipeline/tenancy/fair_gate.py)
     keep_source: bool = False  # the features carry `data` (the decoder's engine needs the item: EC connector)
 
 
@@ -51,7 +51,7 @@ class DecodeRequest:
     # key -> ObjectRef of the VisionEncoder call computing it for this request (EncodedMedia or
     # IrisError); other keys are read from the cache.
     delivered: dict[str, Any] = field(default_factory=dict)
-    tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenant.py cache_salt)
+    tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenancy/tenant.py cache_salt)
     prompt: str | None = None  # /v1/completions: a text prompt instead of messages
     modalities: list[str] = field(default_factory=list)  # of media_keys; empty: all images
 

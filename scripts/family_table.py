@@ -55,9 +55,9 @@ def _builtin_architectures() -> dict[str, tuple[str, object, str]]:
     """architecture -> (built-in family, its Builtin, how its image features reach the decoder), from
     the built-in tiny checkpoints: their configs, and Iris's own start-up check on each."""
     sys.path.insert(0, str(ROOT))
-    from pipeline.models.builtin import BUILDERS
-    from pipeline.models.source import resolve_model
-    from pipeline.vision_model import CONNECTOR, VisionModel
+    from pipeline.model.builtin import BUILDERS
+    from pipeline.model.source import resolve_model
+    from pipeline.model.vision_model import CONNECTOR, VisionModel
 
     found = {}
     for family, builtin in BUILDERS.items():
@@ -93,7 +93,10 @@ TESTS = {"app": "tests/test_families.py", "engine": "tests/test_family_engines.p
 
 def rows() -> list[tuple[str, str, str]]:
     """(architecture, vLLM model file, Iris) for every multimodal architecture of the installed vLLM."""
-    from vllm.model_executor.models.registry import _MULTIMODAL_MODELS, _PREVIOUSLY_SUPPORTED_MODELS
+    from vllm.model_executor.models.registry import (
+        _MULTIMODAL_MODELS,
+        _PREVIOUSLY_SUPPORTED_MODELS,
+    )
 
     builtins = _builtin_architectures()
     table = []
@@ -133,7 +136,7 @@ def render(table: list[tuple[str, str, str]] | None = None) -> str:
 
 def readme_list(table: list[tuple[str, str, str]] | None = None) -> str:
     """The README's sentence of served families, from the table's served rows."""
-    from pipeline.models.builtin import BUILDERS
+    from pipeline.model.builtin import BUILDERS
 
     table = table or rows()
     by_path: dict[str, list[str]] = {"image embeddings": [], "the EC connector": []}

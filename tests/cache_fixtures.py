@@ -20,10 +20,10 @@ import pytest
 import redis
 import torch
 
+from bench.harness.redis_servers import RedisProcess
 from cache_service.codec import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
-from bench.harness.redis_servers import RedisProcess
 from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace  # noqa: F401  (SHARED_REDIS_URL: re-exported)
 
 FINGERPRINT = "0123abcd"

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.cache_fixtures import free_port
-from tests.cache_fixtures import make_cache, namespace, raw_redis, redis_process  # noqa: F401  (cache-test fixtures)
+from tests.cache_fixtures import (  # noqa: F401  (cache-test fixtures)
+    free_port,
+    make_cache,
+    namespace,
+    raw_redis,
+    redis_process,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +57,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
-    from pipeline.models.source import resolve_model
+    from pipeline.model.source import resolve_model
 
     return lambda family: resolve_model(f"builtin:tiny-{family.replace('_', '-')}")
 

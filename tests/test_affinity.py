@@ -1,11 +1,11 @@
-"""pipeline.affinity: rendezvous hashing over decode replicas with a load bound (no Ray)."""
+"""deployments.affinity: rendezvous hashing over decode replicas with a load bound (no Ray)."""
 
 import random
 from collections import Counter
 
 import pytest
 
-from pipeline.affinity import (
+from deployments.affinity import (
     ReplicaLoad,
     affinity_key,
     load_cap,

@@ -1,4 +1,4 @@
-"""API keys -> tenants (pipeline/auth.py), without Ray: where keys come from, what is refused at
+"""API keys -> tenants (pipeline/tenancy/auth.py), without Ray: where keys come from, what is refused at
 start-up, and that no message or repr ever shows a key."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.config import IrisConfig
-from pipeline.auth import AuthConfig, KeyRing, unauthorized
-from pipeline.tenant import bearer_token, key_tenant, tenant_of
+from pipeline.tenancy.auth import AuthConfig, KeyRing, unauthorized
+from pipeline.tenancy.tenant import bearer_token, key_tenant, tenant_of
 
 KEYS = {"acme": ["sk-acme-one-3f9a", "sk-acme-two-77c1"], "globex": "sk-globex-5b2e"}
 ALL_KEYS = ["sk-acme-one-3f9a", "sk-acme-two-77c1", "sk-globex-5b2e"]

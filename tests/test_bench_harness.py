@@ -198,8 +198,7 @@ def test_relabelled_jpeg_is_new_bytes_with_the_same_pixels():
     import numpy as np
     from PIL import Image
 
-    from bench.harness.workloads import RelabelledJpeg
-    from bench.harness.workloads import ImageSpec
+    from bench.harness.workloads import ImageSpec, RelabelledJpeg
 
     base = ImageSpec(5, 64, 48)
     decoded = [base64.b64decode(u.split(",", 1)[1]) for u in

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models.builtin import FAMILIES, build_checkpoint
-from pipeline.models.source import resolve_model
-from pipeline.vision_model import VisionModel
+from pipeline.model.builtin import FAMILIES, build_checkpoint
+from pipeline.model.source import resolve_model
+from pipeline.model.vision_model import VisionModel
 from tests.support.images import SIZES, make_image
 
 
@@ -96,8 +96,8 @@ def test_resolve_model_forms(tmp_path, tiny_checkpoint):
 
 def _model_on_meta(family: str, size: str, monkeypatch, tmp_path):
     """The model a builder makes, allocated on no device (its weights are not drawn nor saved)."""
-    import pipeline.models.builtin as builtin
-    from pipeline.models.builtin import llava, qwen2_vl
+    import pipeline.model.builtin as builtin
+    from pipeline.model.builtin import llava, qwen2_vl
 
     made = {}
     for module in (llava, qwen2_vl):
@@ -139,8 +139,9 @@ def test_padded_vocabulary_decodes_every_token_and_text_encodes_to_bytes_only(tm
     emits them) and no text encodes to them; a fast build (bfloat16 drawn on the build device) loads."""
     import dataclasses
 
-    import pipeline.models.builtin as builtin
     from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    import pipeline.model.builtin as builtin
 
     spec = dataclasses.replace(builtin.BUILDERS["qwen2_5_vl"].specs["tiny"], dtype="bfloat16", vocab_size=2000,
                                text_intermediate=200, vision_intermediate=96, fast_build=True)

@@ -5,9 +5,9 @@ import tempfile
 
 import pytest
 import torch
-from tests.cache_fixtures import assert_same_features, make_features
 
 from cache_service.codec import HEADER, CorruptValue, Features, decode, encode
+from tests.cache_fixtures import assert_same_features, make_features
 
 
 def all_dtypes_features() -> Features:

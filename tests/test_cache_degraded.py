@@ -6,9 +6,13 @@ import signal
 import time
 
 from bench.harness.redis_servers import RedisProcess
-from tests.cache_fixtures import FINGERPRINT, assert_same_features, free_port, make_features
-
 from cache_service.keys import content_key
+from tests.cache_fixtures import (
+    FINGERPRINT,
+    assert_same_features,
+    free_port,
+    make_features,
+)
 
 FAST_BACKOFF = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "redis_timeout_s": 0.25}
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 from cache_service.codec import Features, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, uuid_key
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 
 async def test_round_trip_through_redis(make_cache, namespace):

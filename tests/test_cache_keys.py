@@ -6,7 +6,13 @@ import itertools
 import pytest
 from blake3 import blake3
 
-from cache_service.keys import MAX_UUID_CHARS, content_hash, content_key, image_keys, uuid_key
+from cache_service.keys import (
+    MAX_UUID_CHARS,
+    content_hash,
+    content_key,
+    image_keys,
+    uuid_key,
+)
 
 FP = "0123abcd"
 

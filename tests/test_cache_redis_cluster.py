@@ -15,15 +15,15 @@ import subprocess
 import time
 
 import pytest
+from redis.crc import key_slot
 
+from bench.harness.redis_servers import RedisClusterProcesses
 from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key
 from cache_service.validation import ValueCheck, stamp_fingerprint
-from redis.crc import key_slot
 from tests.cache_fixtures import assert_same_features, make_features
-from bench.harness.redis_servers import RedisClusterProcesses
 
 pytestmark = [
     pytest.mark.timeout(180),

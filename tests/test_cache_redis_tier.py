@@ -5,10 +5,10 @@ import os
 
 import redis
 
+from bench.harness.redis_servers import RedisProcess
 from cache_service.config import CacheConfig
 from cache_service.redis_tier import PIPELINE_BYTES, RedisTier, groups_by_size
 from cache_service.stats import CacheStats
-from bench.harness.redis_servers import RedisProcess
 from tests.cache_fixtures import SHARED_REDIS_URL, free_port
 
 

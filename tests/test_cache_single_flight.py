@@ -4,9 +4,9 @@ import asyncio
 import time
 
 import pytest
-from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 from cache_service.keys import content_key
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
 
 
 class CountingCompute:

@@ -6,14 +6,14 @@ import copy
 
 import pytest
 
-from pipeline.chat_request import (
+from pipeline.api.chat_request import (
     ChatMessage,
     MediaInput,
     MediaPlaceholder,
     TextPart,
     parse_chat_request,
 )
-from pipeline.errors import IrisError, bad_request
+from pipeline.api.errors import IrisError, bad_request
 
 IMG_A = "data:image/png;base64,iVBORw0KGgo="
 IMG_B = "https://example.invalid/b.jpg"  # never fetched: parsing only
@@ -125,7 +125,7 @@ def test_stop_string_nulls_and_developer_role():
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
-    from pipeline.vllm_sampling import max_tokens_of
+    from pipeline.api.sampling import max_tokens_of
 
     p = parse_chat_request(body(max_tokens=10, max_completion_tokens=20), max_images=1)
     assert max_tokens_of(p.sampling) == 20
@@ -417,7 +417,7 @@ def test_error_to_dict_shape_and_extra():
 
 
 def test_tokenize_takes_text_messages_and_refuses_images_and_videos_by_name():
-    from pipeline.tokenize import parse_tokenize_request
+    from pipeline.api.tokenize import parse_tokenize_request
 
     job = parse_tokenize_request({"messages": [user(text("hi"))]}, 4)
     assert job.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]

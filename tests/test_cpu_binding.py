@@ -1,10 +1,10 @@
-"""Engines on one CPU-only node get cores of their own (pipeline/cpu_binding.py, LLMDecode)."""
+"""Engines on one CPU-only node get cores of their own (deployments/cpu_binding.py, LLMDecode)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from pipeline.cpu_binding import omp_threads_bind
+from deployments.cpu_binding import omp_threads_bind
 
 
 def test_one_engine_keeps_vllms_default():

@@ -37,7 +37,7 @@ def test_config_reference_is_current():
 def test_every_field_of_every_model_has_a_row():
     from cache_service.config import CacheConfig
     from deployments.config import IrisConfig
-    from pipeline.media import MediaLimits
+    from pipeline.media.fetch import MediaLimits
 
     section = current_section()
     for prefix, model in (("", IrisConfig), ("cache.", CacheConfig), ("media.", MediaLimits)):
@@ -49,7 +49,7 @@ def test_a_field_added_to_a_model_makes_the_reference_stale():
     """What happens when an engineer adds a field and forgets the docs: the render differs."""
     from cache_service.config import CacheConfig
     from deployments.config import IrisConfig
-    from pipeline.media import MediaLimits
+    from pipeline.media.fetch import MediaLimits
 
     top = create_model("IrisConfig", __base__=IrisConfig,
                        new_knob=(int, Field(7, ge=1, description="A knob added after the docs were made.")))

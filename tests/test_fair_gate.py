@@ -1,4 +1,4 @@
-"""FairGate (pipeline/fair_gate.py): the order in which a stage's slots go to tenants (no Ray)."""
+"""FairGate (pipeline/tenancy/fair_gate.py): the order in which a stage's slots go to tenants (no Ray)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pipeline.fair_gate import FairGate
+from pipeline.tenancy.fair_gate import FairGate
 
 
 async def _grant_order(gate: FairGate, arrivals: list[tuple[str, float]], hold_s: float = 0.0) -> list[str]:

@@ -29,13 +29,15 @@ import ray
 import torch
 from ray import serve
 
-from pipeline.models.builtin import APP_TESTED_FAMILIES, BUILDERS
-from pipeline.vision_model import CONNECTOR
+from bench.harness.systems import (
+    SERVED_NAME as NAME,  # the served model name of both systems
+)
+from pipeline.model.builtin import APP_TESTED_FAMILIES, BUILDERS
+from pipeline.model.vision_model import CONNECTOR
 from tests.support.apps import beside, reference_args, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.videos import clip_bytes
 
-from bench.harness.systems import SERVED_NAME as NAME  # the served model name of both systems
 CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall", "wide"]}
 # Largest feature difference allowed, relative to the features' largest magnitude: ~30 float32 ulps
 # there. The engine's run and Iris's sum in different orders, and which kernels do so depends on the

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from pipeline.models.builtin import BUILDERS, ENGINE_TESTED_FAMILIES
-from pipeline.vision_model import CONNECTOR
+from pipeline.model.builtin import BUILDERS, ENGINE_TESTED_FAMILIES
+from pipeline.model.vision_model import CONNECTOR
 from tests.support.family_engine import CASES
 from tests.test_families import FEATURE_RTOL
 

@@ -21,7 +21,7 @@ def test_family_table_is_current(tiny_checkpoint):
         "README.md's family list is stale: run .venv/bin/python scripts/family_table.py"
     # Every built-in family is served, has its row and is in the README; the registry is really
     # read (not an empty table).
-    from pipeline.models.builtin import BUILDERS
+    from pipeline.model.builtin import BUILDERS
 
     for family, builtin in BUILDERS.items():
         assert f"[{family}]" in table and builtin.name in readme, family

@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from pipeline.address_policy import FetchPolicy, is_public
-from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, fetch_client, load_media_bytes
+from pipeline.api.errors import IrisError
+from pipeline.media.address_policy import FetchPolicy, is_public
+from pipeline.media.fetch import MediaLimits, fetch_client, load_media_bytes
 from tests.support.http_server import QuietHandler, http_server
 
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from PIL import Image
 
-from pipeline.chat_request import ParsedChat, parse_chat_request
-from pipeline.errors import IrisError
-from pipeline.json_body import parse_json_body
-from pipeline.media import MediaLimits, load_media_bytes
-from pipeline.media_decode import decode_image
+from pipeline.api.body import parse_json_body
+from pipeline.api.chat_request import ParsedChat, parse_chat_request
+from pipeline.api.errors import IrisError
+from pipeline.media.decode import decode_image
+from pipeline.media.fetch import MediaLimits, load_media_bytes
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)  # reproducible in CI; new inputs come from editing strategies

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import IrisError
-from pipeline.json_body import MAX_DEPTH, WALK_BUDGET, parse_json_body
+from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, parse_json_body
+from pipeline.api.errors import IrisError
 
 
 def invalid(raw: bytes) -> IrisError:

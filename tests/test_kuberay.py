@@ -770,6 +770,7 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
     waits for nodes that answer the password, forms 3 masters with a replica each whose
     slot map names hostnames, and on a second run changes nothing."""
     import redis as redis_py
+
     from bench.harness.redis_servers import RedisProcess, free_node_port
 
     docs = _docs("redis-cluster.yaml")

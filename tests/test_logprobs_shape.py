@@ -1,4 +1,4 @@
-"""pipeline/logprobs.py's completions shape against vLLM's own builder
+"""pipeline/api/logprobs.py's completions shape against vLLM's own builder
 (`OpenAIServingCompletion._create_completion_logprobs`), without an engine:
 the same steps give the same body, whole or split into stream deltas."""
 
@@ -11,7 +11,11 @@ import pytest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.logprobs import Logprob
 
-from pipeline.logprobs import completion_logprobs, extend_completion_logprobs, next_text_offset
+from pipeline.api.logprobs import (
+    completion_logprobs,
+    extend_completion_logprobs,
+    next_text_offset,
+)
 
 
 class ByteTokenizer:

@@ -3,8 +3,8 @@ tests/test_faults.py checks the same through the served app)."""
 
 import pytest
 
-from pipeline.errors import IrisError
-from pipeline.vllm_sampling import check_max_tokens, validate_sampling
+from pipeline.api.errors import IrisError
+from pipeline.api.sampling import check_max_tokens, validate_sampling
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,9 +13,9 @@ import time
 import pytest
 from PIL import Image, ImageFile
 
-from pipeline.errors import IrisError
-from pipeline.media import MediaLimits, fetch_client, load_media_bytes
-from pipeline.media_decode import decode_image, to_rgb
+from pipeline.api.errors import IrisError
+from pipeline.media.decode import decode_image, to_rgb
+from pipeline.media.fetch import MediaLimits, fetch_client, load_media_bytes
 from tests.support.http_server import QuietHandler, http_server
 
 LIMITS = MediaLimits()

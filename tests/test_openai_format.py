@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pipeline import openai_format
-from pipeline.errors import bad_request
+from pipeline.api import openai_format
+from pipeline.api.errors import bad_request
 from pipeline.stage_io import DecodeChunk
 
 

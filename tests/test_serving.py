@@ -11,13 +11,17 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from bench.harness.systems import SERVED_NAME as NAME  # the served model name of the shared apps
+from bench.harness.systems import (
+    SERVED_NAME as NAME,  # the served model name of the shared apps
+)
 from tests.support.apps import metrics_text, reference_args, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
-from tests.support.images import image_part as _image_part, unique_png as _unique_png
+from tests.support.images import image_part as _image_part
+from tests.support.images import unique_png as _unique_png
 from tests.support.sse import sse_events
 from tests.support.videos import clip_bytes
-from tests.support.videos import unique_clip as _unique_clip, video_part as _video_part
+from tests.support.videos import unique_clip as _unique_clip
+from tests.support.videos import video_part as _video_part
 
 # One family of each embedding form (one tensor per image; Qwen's embeddings + patch grid);
 # every served family against `vllm serve` is tests/test_families.py.
@@ -330,8 +334,8 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
     """A rolling update: an ingress still keying for the old weights gets 503 model_changed
     from the new replicas, never features of one model served to the other."""
     from cache_service.keys import content_key
-    from pipeline.errors import IrisError
-    from pipeline.vision_model import PixelInputs
+    from pipeline.api.errors import IrisError
+    from pipeline.model.vision_model import PixelInputs
     from pipeline.stage_io import DecodeRequest
 
     _, base, name = app

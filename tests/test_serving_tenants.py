@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.tenant import metric_tenant
+from pipeline.tenancy.tenant import metric_tenant
 from tests.support.apps import CPU_NODE, metrics_text
 from tests.support.images import REFERENCE_TEXT, data_url, image_part, unique_png
 from tests.support.sse import DONE, sse_events

@@ -4,7 +4,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pipeline.stream_merge import merged_outputs as _merged
+from pipeline.api.stream_merge import merged_outputs as _merged
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cache_service.keys import content_key, fingerprint_of, image_keys, uuid_key
 from deployments.config import IrisConfig
-from pipeline.tenant import cache_salt, tenant_of
+from pipeline.tenancy.tenant import cache_salt, tenant_of
 
 FP = "0123abcd"
 IMAGE = b"\x89PNG same bytes"

@@ -1,4 +1,4 @@
-"""Per-tenant limits (pipeline/tenant_limits.py) against the shared Redis, without Ray: two
+"""Per-tenant limits (pipeline/tenancy/limits.py) against the shared Redis, without Ray: two
 limiters stand for two ingress replicas. Each test has a namespace of its own, deleted after."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from cache_service.config import CacheConfig
-from pipeline.errors import IrisError
-from pipeline.tenant_limits import WINDOW_MS, LimitSet, TenantLimiter, TenantLimits
+from pipeline.api.errors import IrisError
+from pipeline.tenancy.limits import WINDOW_MS, LimitSet, TenantLimiter, TenantLimits
 from tests.cache_fixtures import free_port
 from tests.support.namespaces import SHARED_REDIS_URL
 

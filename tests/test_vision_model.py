@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from cache_service.codec import Features
-from pipeline.models.builtin import FAMILIES
-from pipeline.vision_model import CONNECTOR, EMBEDDINGS, SOURCE, VisionModel, sample_image_bytes
+from pipeline.model.builtin import FAMILIES
+from pipeline.model.vision_model import (
+    CONNECTOR,
+    EMBEDDINGS,
+    SOURCE,
+    VisionModel,
+    sample_image_bytes,
+)
 from tests.support.images import png_bytes
 from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings

@@ -1,5 +1,5 @@
 """Iris's feature cache as the encoder tier of a plain `vllm serve`: the same EC connector
-LLMDecode's engines use (pipeline/ec_connector.py), pointed at the feature plane, lets a
+LLMDecode's engines use (pipeline/model/ec_connector.py), pointed at the feature plane, lets a
 monolithic `vllm serve --ec-transfer-config ...` take the features Iris computed for a
 client's uuid instead of running its own tower. Its counters are read from the server's own
 Prometheus metrics (vLLM's EC connector stats), not from its logs."""
@@ -14,12 +14,11 @@ import uuid
 import httpx
 import pytest
 
-from pipeline.ec_connector import CONNECTOR_NAME, MODULE_PATH
+from bench.harness.systems import SERVED_NAME as NAME
+from pipeline.model.ec_connector import CONNECTOR_NAME, MODULE_PATH
 from tests.support.apps import reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.namespaces import SHARED_REDIS_URL
-
-from bench.harness.systems import SERVED_NAME as NAME
 
 COUNTER = re.compile(r'^vllm:iris_ec_(loaded|encoded)_items_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 

@@ -25,7 +25,12 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
-from bench.harness.workloads import Conversation, Workload, WorkloadFactory, chat_messages
+from bench.harness.workloads import (
+    Conversation,
+    Workload,
+    WorkloadFactory,
+    chat_messages,
+)
 
 
 @dataclass

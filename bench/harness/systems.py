@@ -43,7 +43,7 @@ import yaml
 from bench.harness.metrics import Counters, scrape
 from bench.harness.profiler import process_tree
 from bench.harness.results import ROOT
-from pipeline.cpu_binding import omp_threads_bind
+from deployments.cpu_binding import omp_threads_bind
 
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
 SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-connector", "iris-haproxy", "rayllm",
@@ -343,7 +343,7 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
 
 def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
     """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine: a slice
-    of the cores of its own (pipeline/cpu_binding.py). No core is held back: beside its engines,
+    of the cores of its own (deployments/cpu_binding.py). No core is held back: beside its engines,
     `vllm serve` runs only its API servers."""
     cores = core_ids if core_ids is not None else list(os.sched_getaffinity(0))
     bind = omp_threads_bind(index, replicas, cores, reserve=0)

@@ -321,7 +321,7 @@ def large_image_workload(factory: WorkloadFactory, n: int, first_label: int, poo
 def image_prompt_chars(checkpoint: str, small_px: int) -> int:
     """How many tokens one small workload image becomes in the checkpoint's prompt: the characters
     text_as_image adds (a byte-level tokenizer, the built-in checkpoints')."""
-    from pipeline.vision_model import VisionModel
+    from pipeline.model.vision_model import VisionModel
 
     data = base64.b64decode(ImageSpec(0, small_px, small_px).data_url.split(",", 1)[1])
     return VisionModel(checkpoint).preprocess(Image.open(io.BytesIO(data)).convert("RGB")).num_tokens

@@ -19,7 +19,7 @@ def main() -> None:
     checkpoint = sys.argv[1]
     # The race was in transformers' lazy imports of an image processor's modules: none yet.
     fresh = not any(name.startswith("transformers.models.") and "image_processing" in name for name in sys.modules)
-    from pipeline.vision_model import VisionModel
+    from pipeline.model.vision_model import VisionModel
 
     vision = VisionModel(checkpoint)
     barrier = threading.Barrier(THREADS)

@@ -1,0 +1,3 @@
+from pipeline.model.builtin import main
+
+main()

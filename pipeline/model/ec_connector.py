@@ -1,0 +1,374 @@
+"""Iris's features in vLLM's own encoder cache: an EC connector (vLLM's `ECConnectorBase`).
+
+vLLM takes no image embeddings for many families (Gemma 3, Mistral 3, Idefics3, ...), but
+every family's engine keeps what its tower computed per item in an encoder cache keyed by
+the item's `mm_hash` (its `multi_modal_uuids` entry when one is given). An engine with an EC
+connector in a consumer role asks the connector, per item, whether that output exists
+elsewhere; when it does, the connector's worker side puts it into the encoder cache and the
+tower never runs. Iris's VisionEncoder computes exactly what `embed_multimodal` returns, so
+this connector hands it over. The engine's processor still runs on the item itself to lay
+out the placeholders: the decode replica gives the engine the item's bytes too.
+
+Where the features come from, in order:
+- the staging folder (`staging_dir`): LLMDecode writes an item's features there (Iris's
+  value codec, file named by `staged_name(key)`) before it calls the engine with the item's
+  key as its uuid, and removes them when the request ends (`FeatureStaging`). The engine
+  runs in processes of its own (vLLM's EngineCore, its workers): a file in /dev/shm is the
+  cheapest way in, one copy.
+- the feature plane (`redis_url`): for an engine that is not Iris's (a plain `vllm serve
+  --ec-transfer-config ...`), the item's uuid names Iris's uuid key for `tenant` under
+  `fingerprint` (the VisionEncoder's, from `/iris/stats`), read with the cache's codec and
+  fingerprint check. Only uuid keys: content keys hash the bytes as uploaded, which vLLM
+  does not see.
+
+The scheduler side reads and checks an item's features when its request is first scheduled
+(`ensure_cache_available`): rows = the item's placeholder embeds, the model's dtype, the
+encoder's width where known. What fails the check, or is not there, is not claimed: the
+engine runs its own tower on the item, so a missing or forged value costs time, never a
+wrong or failed answer. Checked tensors travel to the workers in the step's connector
+metadata (in-process on one device; vLLM's message queue to tensor-parallel workers).
+
+Counters (`vllm:iris_ec_loaded_items_total`, `vllm:iris_ec_encoded_items_total`: items the
+connector supplied, and items the engine's own tower encoded) go through vLLM's EC
+connector stats to its logs and Prometheus metrics.
+
+No Ray here: the module runs inside vLLM's engine processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+from cache_service import codec
+from cache_service.keys import DEFAULT_NAMESPACE, DEFAULT_TENANT, content_hash, uuid_key
+from cache_service.validation import ValueCheck
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "IrisECConnector"
+MODULE_PATH = __name__
+SHM = Path("/dev/shm")
+
+
+def staged_name(key: str) -> str:
+    """The staging file of a key (keys may be long and hold any escaped text)."""
+    return content_hash(key.encode())[:40] + ".irf"
+
+
+def values_of(features: codec.Features) -> torch.Tensor | None:
+    """The tensor the engine's encoder cache holds for one item: the features' one 2-D
+    floating-point tensor (the others are metadata: grids, the item's own bytes)."""
+    values = [t for t in features.tensors.values() if t.is_floating_point() and t.ndim == 2]
+    return values[0] if len(values) == 1 else None
+
+
+class FeatureStaging:
+    """LLMDecode's side of the staging folder: an item's features are on disk (tmpfs) while
+    at least one request that needs them is in flight."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        base = directory or (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None)
+        self.dir = Path(tempfile.mkdtemp(prefix="iris-ec-", dir=base))
+        self._users: dict[str, int] = {}  # key -> requests in flight that staged it
+
+    def stage(self, key: str, features: codec.Features) -> None:
+        """Write `features` under `key` (once while any request holds it); `release` undoes."""
+        if self._users.get(key):
+            self._users[key] += 1
+            return
+        path = self.dir / staged_name(key)
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(codec.encode(codec.Features({"values": values_of(features)}, {})))
+        partial.replace(path)  # the engine never sees a half-written file
+        self._users[key] = 1
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            users = self._users.get(key, 0) - 1
+            if users > 0:
+                self._users[key] = users
+                continue
+            self._users.pop(key, None)
+            (self.dir / staged_name(key)).unlink(missing_ok=True)
+
+    @property
+    def staged(self) -> int:
+        return len(self._users)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._users.clear()
+
+
+def ec_transfer_config(staging_dir: str | os.PathLike, widths: dict[str, int]) -> dict:
+    """vLLM's `ec_transfer_config` for an engine that takes Iris's features from `staging_dir`."""
+    return {"ec_connector": CONNECTOR_NAME, "ec_connector_module_path": MODULE_PATH, "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"staging_dir": str(staging_dir), "widths": dict(widths)}}
+
+
+@dataclass
+class IrisECMetadata(ECConnectorMetadata):
+    """One step's items to load: identifier -> checked features (host memory)."""
+    items: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class IrisECStats(ECConnectorStats):
+    """Items this connector supplied, and items the engine's own tower encoded."""
+
+    def __post_init__(self):
+        for name in ("loaded", "encoded"):
+            self.data.setdefault(name, 0)
+
+    def reset(self):
+        self.data = {"loaded": 0, "encoded": 0}
+
+    def aggregate(self, other: ECConnectorStats) -> "IrisECStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class IrisECPromMetrics(ECConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, what in (("loaded", "Multimodal items whose encoder output Iris's EC connector supplied"),
+                           ("encoded", "Multimodal items the engine's own encoder computed (no features "
+                                       "from Iris's EC connector)")):
+            counter = self._counter_cls(name=f"vllm:iris_ec_{name}_items", documentation=what,
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, per_engine in self._counters.items():
+            if transfer_stats_data.get(name):
+                per_engine[engine_idx].inc(transfer_stats_data[name])
+
+
+def connector_counts() -> dict[str, int]:
+    """This process's vLLM engine's connector counters, from vLLM's Prometheus metrics (its stat
+    loggers run where the engine's client runs): items the connector supplied, items the
+    engine's own tower encoded."""
+    from prometheus_client import REGISTRY
+
+    counts = {"loaded": 0, "encoded": 0}
+    for family in REGISTRY.collect():
+        for name in counts:
+            if family.name == f"vllm:iris_ec_{name}_items":
+                counts[name] += int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    return counts
+
+
+class IrisECConnector(ECConnectorBase):
+    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        ec = vllm_config.ec_transfer_config
+        extra = ec.ec_connector_extra_config
+        self._dtype = vllm_config.model_config.dtype
+        # Per-token width of the encoder's output per modality, where known: Iris's decoder
+        # passes it; an engine that also produces measured it at start-up.
+        self._widths = {**extra.get("widths", {}), **ec.mm_encoder_output_widths}
+        staging = extra.get("staging_dir")
+        self._staging = Path(staging) if staging else None
+        self._plane = _FeaturePlane(extra) if extra.get("redis_url") and role == ECConnectorRole.SCHEDULER else None
+        if self._staging is None and extra.get("redis_url") is None:
+            raise ValueError(f"{CONNECTOR_NAME}: ec_connector_extra_config needs staging_dir or redis_url")
+        # Scheduler side.
+        self._ready: dict[str, torch.Tensor] = {}  # identifier -> checked features
+        self._holders: dict[str, set[str]] = defaultdict(set)  # identifier -> request ids that may load it
+        self._checked: set[str] = set()  # request ids whose items were looked up
+        self._to_load: dict[str, torch.Tensor] = {}  # this step's loads
+        self._stats = IrisECStats()  # since vLLM last collected them
+        self.totals = {"loaded": 0, "encoded": 0}  # since start (the in-process engine's tests read them)
+
+    # --- scheduler side -----------------------------------------------------------
+    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+        """Looks the request's items up once, when it is first scheduled; never defers it."""
+        if request.request_id in self._checked:
+            return True
+        self._checked.add(request.request_id)
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # within the prefix vLLM has cached: the engine needs no features for it
+            if feature.identifier not in self._ready:
+                values = self._lookup(feature)
+                if values is None:
+                    continue
+                self._ready[feature.identifier] = values
+            self._holders[feature.identifier].add(request.request_id)
+        return True
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return identifier in self._ready
+
+    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        counted = "encoded"  # the engine's tower runs on it
+        if identifier in self._ready:
+            self._to_load[identifier] = self._ready[identifier]
+            counted = "loaded"
+        self._stats.data[counted] += 1
+        self.totals[counted] += 1
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> IrisECMetadata:
+        meta = IrisECMetadata(self._to_load)
+        self._to_load = {}
+        return meta
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        self._checked.discard(request.request_id)
+        for feature in request.mm_features:
+            holders = self._holders.get(feature.identifier)
+            if holders is None:
+                continue
+            holders.discard(request.request_id)
+            if not holders:
+                del self._holders[feature.identifier]
+                self._ready.pop(feature.identifier, None)
+        return False, None
+
+    def get_ec_connector_stats(self) -> IrisECStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, IrisECStats()
+        return stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> IrisECStats:
+        return IrisECStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> IrisECPromMetrics:
+        return IrisECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _lookup(self, feature: "MultiModalFeatureSpec") -> torch.Tensor | None:
+        """The item's checked features, or None (the engine then encodes the item itself)."""
+        values, source = None, None
+        if self._staging is not None:
+            path = self._staging / staged_name(feature.identifier)
+            try:
+                values, source = values_of(codec.decode(path.read_bytes())), "staging"
+            except FileNotFoundError:
+                pass
+            except codec.CorruptValue as err:
+                logger.warning("%s: staged features of %s unreadable (%s)", CONNECTOR_NAME, feature.identifier, err)
+        if values is None and self._plane is not None:
+            values, source = self._plane.get(feature.identifier, feature.modality), "the feature plane"
+        if values is None:
+            return None
+        problem = self._problem(values, feature)
+        if problem:
+            logger.warning("%s: features of %s from %s refused, the engine encodes the item itself: %s",
+                           CONNECTOR_NAME, feature.identifier, source, problem)
+            return None
+        return values
+
+    def _problem(self, values: torch.Tensor, feature: "MultiModalFeatureSpec") -> str | None:
+        rows = feature.mm_position.get_num_embeds()
+        width = self._widths.get(feature.modality)
+        if values.ndim != 2 or values.shape[0] != rows:
+            return f"shape {list(values.shape)}, the item's placeholder takes {rows} rows"
+        if width is not None and values.shape[1] != width:
+            return f"{values.shape[1]} wide, the encoder's output is {width}"
+        if values.dtype != self._dtype:
+            return f"dtype {values.dtype}, the engine's is {self._dtype}"
+        return None
+
+    # --- worker side --------------------------------------------------------------
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
+        from vllm.platforms import current_platform
+
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, IrisECMetadata)
+        device = current_platform.device_type
+        if current_platform.is_cuda_alike():
+            device = f"{device}:{current_platform.current_device()}"
+        for identifier, values in meta.items.items():
+            if identifier not in encoder_cache:
+                encoder_cache[identifier] = values.to(device, non_blocking=True)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
+        return  # a consumer: what the engine computes stays in the engine
+
+
+class _FeaturePlane:
+    """Iris's Redis (or Redis Cluster) read by uuid, from an engine that is not Iris's.
+
+    ec_connector_extra_config: redis_url (${NAME} expanded from the environment), redis_cluster,
+    namespace, fingerprint (required: the VisionEncoder's, `GET /iris/stats`), tenant (whose
+    uuids this engine's clients send; "default" when Iris runs without API keys)."""
+
+    def __init__(self, extra: dict):
+        import redis
+        from redis.cluster import RedisCluster
+
+        from cache_service.config import CacheConfig
+
+        fingerprint = extra.get("fingerprint")
+        if not fingerprint:
+            raise ValueError(f"{CONNECTOR_NAME}: redis_url needs the model's fingerprint in ec_connector_extra_config "
+                             "(Iris's GET /iris/stats: model.fingerprint)")
+        self.fingerprint = fingerprint
+        self.namespace = extra.get("namespace", DEFAULT_NAMESPACE)
+        self.tenant = extra.get("tenant", DEFAULT_TENANT)
+        config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
+                             namespace=self.namespace)
+        timeout = float(extra.get("redis_timeout_s", 1.0))
+        client = RedisCluster if config.redis_cluster else redis.Redis
+        self.client = client.from_url(config.connect_url(), socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.check = ValueCheck()  # the fingerprint stamped in the value must be the key's
+
+    def get(self, uuid: str, modality: str) -> torch.Tensor | None:
+        import redis
+
+        try:
+            key = uuid_key(self.fingerprint, self.tenant, uuid, self.namespace, modality)
+            data = self.client.get(key)
+        except (ValueError, redis.RedisError, OSError) as err:
+            logger.warning("%s: feature plane lookup of %r failed: %s", CONNECTOR_NAME, uuid, err)
+            return None
+        if data is None:
+            return None
+        try:
+            features = codec.decode(data)
+        except codec.CorruptValue as err:
+            logger.warning("%s: value of %s unreadable (%s)", CONNECTOR_NAME, key, err)
+            return None
+        problem = self.check.problem(key, features)
+        if problem is not None or features.modality != modality:
+            logger.warning("%s: value of %s refused: %s", CONNECTOR_NAME, key, problem or "another modality")
+            return None
+        return values_of(features)

@@ -1,0 +1,395 @@
+"""One checkpoint's image and video path, all of it vLLM's own code, for every family vLLM serves.
+
+- Preprocess (CPU): vLLM's multimodal processor for the checkpoint, the one a
+  monolithic `vllm serve` runs, turns an image (or a video's decoded frames)
+  into the model's processed inputs (`MultiModalKwargsItem`: pixels, patch
+  grids, tile counts, frame timestamps, ...) and tells how many feature tokens
+  it becomes. Models that normalise on the device get uint8 pixels, as vLLM
+  gives them.
+- VisionEncoder: vLLM's model class for the checkpoint, built with
+  `mm_encoder_only` (the language model is neither allocated nor loaded), and
+  its `embed_multimodal`, the entry point vLLM's own model runner calls.
+- LLMDecode: the features go back to vLLM as embeddings in the form the
+  model's data parser declares per modality (`embedding_fields`: e.g. Qwen's
+  `image_embeds` + `image_grid_thw`, `video_embeds` + `video_grid_thw`);
+  families that declare nothing take one tensor per item. Where vLLM takes no
+  embeddings for a modality (Gemma 3, Mistral 3, Idefics3, InternVL's videos, ...),
+  the engine gets the item itself with its key, and Iris's EC connector puts the
+  features into the engine's encoder cache (pipeline/model/ec_connector.py): those
+  features carry the item's bytes (`SOURCE`), for the engine's processor.
+
+So nothing here asks which model it serves: a family vLLM serves needs no Iris
+code. Which way a modality's features reach the decoder is decided at load: as
+embeddings where vLLM takes the model's own features back unchanged, else
+through the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cache_service.codec import Features
+from cache_service.keys import content_hash
+from pipeline.model.encoder_loading import load_encoder_only
+
+FINGERPRINT_CHARS = 16
+MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
+SOURCE = "source"  # connector delivery: the item's bytes as uploaded (uint8), for the engine's processor
+EMBEDDINGS, CONNECTOR = "embeddings", "connector"  # how features reach the decoder (EmbeddingForm.delivery)
+
+# Metadata that some families' embedding inputs carry but vLLM's processor does not output
+# for pixels, by field name, from the image: MiniCPM-V sizes its slice grid from the
+# original image's [width, height].
+_METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, image.height])}
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class PixelInputs:
+    """One preprocessed image or video: vLLM's processed item and its feature-token count."""
+
+    item: Any  # vllm.multimodal.inputs.MultiModalKwargsItem
+    num_tokens: int
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
+    modality: str = "image"
+    source: bytes | None = None  # the item's bytes, kept where the decoder needs them (connector delivery)
+
+
+@dataclass
+class EmbeddingForm:
+    """How vLLM takes one modality's precomputed features: its data parser's `embedding_fields`
+    (a dict of values + metadata tensors, e.g. Qwen's), or one tensor per item (LLaVA); or,
+    `delivery` "connector", not as embeddings at all: the engine gets the item and Iris's EC
+    connector fills its encoder cache with the values."""
+
+    values_field: str
+    metadata_fields: tuple[str, ...]
+    dict_input: bool
+    batched_values: bool = False  # dict input: one tensor per item rather than all rows in one
+    width: int | None = None  # of the values, known once the encoder was loaded here
+    metadata_kinds: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # name -> (dtype, ndim)
+    delivery: str = EMBEDDINGS  # or CONNECTOR; decided by VisionModel.load_encoder
+
+    def tensor_names(self) -> set[str]:
+        """What one item's features hold."""
+        if self.delivery == CONNECTOR:
+            return {self.values_field, SOURCE}
+        return {self.values_field, *self.metadata_fields}
+
+    @classmethod
+    def of(cls, parser_class, modality: str) -> "EmbeddingForm":
+        roles = parser_class.embedding_fields.get(modality, {})
+        values = [name for name, role in roles.items() if role == "values"]
+        return cls(values[0] if values else f"{modality}_embeds",
+                   tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
+
+
+def sample_image_bytes(width: int = 64, height: int = 64) -> bytes:
+    """A grey PNG: the image the encoder warms up with and the decoder checks its path with."""
+    import io
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def sample_video(frames: int = 4, side: int = 64) -> tuple[np.ndarray, dict]:
+    """A grey clip as vLLM's video loader returns one: frames [T, H, W, 3] uint8 and their metadata."""
+    fps = 2.0
+    return np.full((frames, side, side, 3), 128, np.uint8), {
+        "total_num_frames": frames, "fps": fps, "duration": frames / fps, "video_backend": "opencv",
+        "frames_indices": list(range(frames)), "do_sample_frames": True}
+
+
+def checkpoint_dtype(checkpoint: str) -> str:
+    """The dtype a checkpoint was saved in (config.json), e.g. "bfloat16"; float32 if it says none."""
+    path = Path(checkpoint) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+    else:  # a hub id
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(checkpoint).to_dict()
+    text = config.get("text_config") or {}
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(name or "float32").removeprefix("torch.")
+
+
+class VisionModel:
+    """vLLM's processor, encoder and embedding format for one checkpoint.
+
+    `dtype` is vLLM's dtype argument ("auto": the checkpoint's); the encoder and
+    the decoder must agree on it for features to equal vLLM's own. `max_items` caps
+    images and videos per prompt (vLLM's `limit_mm_per_prompt`); `media_io_kwargs`
+    is vLLM's `--media-io-kwargs` (e.g. {"video": {"num_frames": 16}}), for the loader.
+    `connector`: deliver every modality through the EC connector, also where vLLM takes
+    embeddings (to compare the two paths)."""
+
+    def __init__(self, checkpoint: str, dtype: str = "auto", max_items: dict[str, int] | None = None,
+                 mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None,
+                 connector: bool = False):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        self.checkpoint = checkpoint
+        self.force_connector = connector
+        self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
+        self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
+        self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
+        self.vllm_config = EngineArgs(
+            model=checkpoint, dtype=checkpoint_dtype(checkpoint) if dtype == "auto" else dtype,
+            mm_encoder_only=True, enable_mm_embeds=True, enforce_eager=True, limit_mm_per_prompt=limits,
+            mm_processor_kwargs=self.mm_processor_kwargs or None, media_io_kwargs=self.media_io_kwargs or None,
+        ).create_engine_config()
+        model_config = self.vllm_config.model_config
+        self.dtype: torch.dtype = model_config.dtype
+        self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+        # The modalities this model serves: vLLM's processor knows them and the limits allow them.
+        supported = self.processor.info.get_supported_mm_limits()
+        self.modalities = tuple(m for m in MODALITIES if m in supported and limits.get(m))
+        for m in self.modalities:  # vLLM's own limit for the model (PaliGemma: one image a prompt)
+            if supported[m] is not None:
+                limits[m] = min(limits[m], supported[m])
+        parser_class = type(self.processor.data_parser)
+        self.forms = {m: EmbeddingForm.of(parser_class, m) for m in self.modalities}
+        # The prompt text of one item: the processor expands it into the item's placeholder tokens.
+        self._prompts = {m: self.processor.dummy_inputs.get_dummy_text({m: 1}) for m in self.modalities}
+        self.model: torch.nn.Module | None = None
+        self._weights_digest: str | None = None
+        # Features of the load-time image sample (`sample_image_bytes`), with its bytes where the
+        # decoder needs them: LLMDecode checks its path to the engine with them.
+        self.sample_features: Features | None = None
+
+    # --- Preprocess (CPU) -------------------------------------------------------
+    def preprocess(self, media: Any, modality: str = "image") -> PixelInputs:
+        """vLLM's processor on one RGB image, or one video as vLLM's loader gives it
+        (frames, metadata). A ValueError means the model cannot take it."""
+        if modality not in self.modalities:
+            raise ValueError(f"this model takes no {modality} input")
+        try:
+            out = self.processor(self._prompts[modality], self.processor.data_parser.parse_mm_data({modality: [media]}),
+                                 hf_processor_mm_kwargs=self.mm_processor_kwargs)
+        except ValueError as err:
+            # vLLM wraps the processor's reason in "Failed to apply <processor> on data=...": the reason.
+            cause: BaseException = err
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            raise ValueError(str(cause)) from err
+        (item,) = out["mm_kwargs"][modality]
+        (placeholder,) = out["mm_placeholders"][modality]
+        metadata = {name: _METADATA_FROM_IMAGE[name](media) for name in self.forms[modality].metadata_fields
+                    if name not in item} if modality == "image" else {}
+        return PixelInputs(item, placeholder.get_num_embeds(), metadata, modality)
+
+    def load_video(self, data: bytes) -> tuple[np.ndarray, dict]:
+        """A video's sampled frames [T, H, W, 3] (uint8) and metadata, decoded by vLLM's video
+        loader as `vllm serve` does for this model (its --media-io-kwargs, its backend for the
+        model's video processor). Raises on bytes it cannot decode."""
+        from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+        from vllm.multimodal.video import get_video_loader_backend_for_processor
+        from vllm.transformers_utils.processor import get_video_processor_cls_name
+
+        video_kwargs = dict(self.media_io_kwargs.get("video", {}))
+        if "video_backend" not in video_kwargs:
+            backend = get_video_loader_backend_for_processor(
+                get_video_processor_cls_name(self.vllm_config.model_config))
+            if backend:
+                video_kwargs["video_backend"] = backend
+        image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
+        return VideoMediaIO(image_io, **video_kwargs).load_bytes(data).media
+
+    def load_image(self, data: bytes) -> Image.Image:
+        """An image decoded by vLLM's image loader, as `vllm serve` decodes it (RGB, its
+        --media-io-kwargs). Raises on bytes it cannot decode."""
+        from vllm.multimodal.media import ImageMediaIO
+
+        return ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {}))).load_bytes(data).media
+
+    # --- VisionEncoder ------------------------------------------------------------
+    def load_encoder(self) -> None:
+        """vLLM's model class with the tower and projector only, on vLLM's device; and, per
+        modality, how its features reach the decoder."""
+        self.model, self._weights_digest = load_encoder_only(self.vllm_config)
+        # A small sample of each modality warms the tower up and tells the width of its
+        # features, which vLLM does not check for dict-form embeddings (e.g. Qwen3-VL's
+        # carry DeepStack taps).
+        # Two images of other shapes: a prompt's images may become different token counts, which
+        # some families' embedding input does not take (LLaVA-OneVision's: one tensor for all).
+        image = sample_image_bytes()
+        samples = {"image": [self.load_image(image), self.load_image(sample_image_bytes(128, 48))],
+                   "video": [sample_video()]}
+        arch = self.vllm_config.model_config.architecture
+        for modality in self.modalities:
+            batch = [self.preprocess(sample, modality) for sample in samples[modality][:self.limits[modality]]]
+            pixels, warm = batch[0], self.encode(batch)
+            form = self.forms[modality]
+            form.width = int(warm[0].tensors[form.values_field].shape[1])
+            form.metadata_kinds = {name: (warm[0].tensors[name].dtype, warm[0].tensors[name].ndim)
+                                   for name in form.metadata_fields}
+            problem = None if self.force_connector else self._embedding_input_problem(warm, modality)
+            if self.force_connector or problem:
+                form.delivery = CONNECTOR
+                logger.info("%s: %s features reach the decoder through Iris's EC connector (%s)", arch, modality,
+                            problem or "configured")
+            if modality == "image":
+                pixels.source = image
+                self.sample_features = self._features(warm[0].tensors[form.values_field], pixels)
+
+    @torch.inference_mode()
+    def _embedding_input_problem(self, features: list[Features], modality: str) -> str | None:
+        """Give the model its own features of these items back as the embedding input of one
+        prompt, the way vLLM's engine does for a request (parser, processor, batching,
+        `embed_multimodal`): they must come back unchanged. Why they do not, or None. Families
+        whose vLLM class takes no embeddings for a modality fail here."""
+        from vllm.config import set_current_vllm_config
+        from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+        form = self.forms[modality]
+        try:
+            # Dict input: vLLM's field config decides whether the values are one tensor of all
+            # items' rows (Qwen) or one tensor per item (MiniCPM-V); one item tells which.
+            if form.dict_input:
+                form.batched_values = not self._parses_as_one(features[0], modality)
+            prompt = self.processor.dummy_inputs.get_dummy_text({modality: len(features)})
+            out = self.processor(prompt, self._parse(features, modality), hf_processor_mm_kwargs={})
+            back = []
+            with set_current_vllm_config(self.vllm_config):
+                for _, _, kwargs in group_and_batch_mm_kwargs([(modality, item) for item in out["mm_kwargs"][modality]],
+                                                              device=self.vllm_config.device_config.device):
+                    back.extend(self.model.embed_multimodal(**kwargs))
+        except Exception as err:
+            return f"vLLM takes no {modality} embeddings for it: {type(err).__name__}: {err}"
+        if len(back) != len(features) or not all(torch.equal(b.cpu(), f.tensors[form.values_field])
+                                                 for b, f in zip(back, features)):
+            return f"vLLM changes {modality} embeddings on input"
+        return None
+
+    @torch.inference_mode()
+    def encode(self, batch: list[PixelInputs]) -> list[Features]:
+        """Features of each item, in as few `embed_multimodal` calls as vLLM's batching allows."""
+        from vllm.config import set_current_vllm_config
+        from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+        device = self.vllm_config.device_config.device
+        embeddings: list[torch.Tensor] = []
+        with set_current_vllm_config(self.vllm_config):
+            for _, _, kwargs in group_and_batch_mm_kwargs([(p.modality, p.item) for p in batch], device=device):
+                embeddings.extend(self.model.embed_multimodal(**kwargs))
+        return [self._features(e, p) for e, p in zip(embeddings, batch)]
+
+    def _features(self, embedding: torch.Tensor, pixels: PixelInputs) -> Features:
+        form = self.forms[pixels.modality]
+        tensors = {form.values_field: embedding.detach().to("cpu").contiguous()}
+        if form.delivery == CONNECTOR:
+            if pixels.source is not None:  # (None: load_encoder's sample)
+                tensors[SOURCE] = torch.frombuffer(bytearray(pixels.source), dtype=torch.uint8)
+            metadata_fields = ()
+        else:
+            metadata_fields = form.metadata_fields
+        for name in metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
+            value = pixels.item[name].data if name in pixels.item else pixels.metadata[name]
+            # Lists of numbers (Qwen3-VL's frame timestamps) as float64, which keeps their printed value.
+            tensors[name] = value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        meta = {"num_tokens": int(embedding.shape[0])}
+        if pixels.modality != "image":  # values stored before videos existed are images
+            meta["modality"] = pixels.modality
+        return Features(tensors, meta)
+
+    def fingerprint(self) -> str:
+        """What shapes an item's features: the tower's and projector's weights (byte by byte),
+        the architecture, processor and loader settings, the dtype. The language model is not in it."""
+        if self._weights_digest is None:
+            raise RuntimeError("load_encoder() before computing the fingerprint")
+        root = Path(self.checkpoint)
+        settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs}
+        if self.media_io_kwargs:  # (absent, the fingerprints of image-only deployments stay as they were)
+            settings["media_io_kwargs"] = self.media_io_kwargs
+        parts = [json.dumps(settings, sort_keys=True).encode()]
+        for name in ("config.json", "preprocessor_config.json", "processor_config.json",
+                     "video_preprocessor_config.json"):
+            if (root / name).is_file():
+                parts.append((root / name).read_bytes())
+        if not (root / "config.json").is_file():  # a hub id: the resolved config instead
+            parts.append(self.vllm_config.model_config.hf_config.to_json_string().encode())
+        parts.append(self._weights_digest.encode())
+        return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
+
+    def expected_fingerprint(self) -> str:
+        """The encoder's fingerprint (and feature widths), for a process that does not
+        encode (the decoder): loads the tower, hashes it and drops it."""
+        self.load_encoder()
+        try:
+            return self.fingerprint()
+        finally:
+            self.model = None
+
+    # --- LLMDecode ----------------------------------------------------------------
+    def source_items(self, features: list[Features], modality: str = "image") -> list:
+        """`multi_modal_data[modality]` for connector delivery, in prompt order: the items themselves,
+        decoded by vLLM's loaders from the bytes their features carry (the engine's processor lays
+        out their placeholders; the connector brings the values)."""
+        load = self.load_image if modality == "image" else self.load_video
+        return [load(f.tensors[SOURCE].numpy().tobytes()) for f in features]
+
+    def embedding_input(self, features: list[Features], modality: str = "image") -> Any:
+        """`multi_modal_data[modality]` for these features, in prompt order."""
+        form = self.forms[modality]
+        values = [f.tensors[form.values_field] for f in features]
+        if not form.dict_input:
+            # One [items, tokens, hidden] tensor where the items agree in size (LLaVA-1.5: always).
+            return torch.stack(values) if len({v.shape for v in values}) == 1 else values
+        data = {form.values_field: values if form.batched_values else torch.cat(values)}
+        for name in form.metadata_fields:
+            data[name] = torch.stack([f.tensors[name] for f in features])
+        return data
+
+    def _parses_as_one(self, features: Features, modality: str) -> bool:
+        try:
+            return self._parse([features], modality).get_count(modality, strict=False) == 1
+        except (ValueError, TypeError):
+            return False
+
+    def _parse(self, features: list[Features], modality: str):
+        return self.processor.data_parser.parse_mm_data({modality: self.embedding_input(features, modality)})
+
+    def feature_problem(self, features: Features) -> str | None:
+        """Why `features` cannot be this model's encoder output for one item, or None.
+        vLLM's own parser and processor judge them as it would a request's embeddings
+        (hidden size, placeholder size from the metadata fields); Iris adds names and dtype."""
+        modality = features.modality
+        if modality not in self.modalities:
+            return f"{modality!r} features; this model serves {list(self.modalities)}"
+        form = self.forms[modality]
+        expected = form.tensor_names()
+        if set(features.tensors) != expected:
+            return f"tensors {sorted(features.tensors)}, expected {sorted(expected)}"
+        values = features.tensors[form.values_field]
+        if values.dtype != self.dtype:
+            return f"{form.values_field} has dtype {values.dtype}, expected {self.dtype}"
+        if values.ndim != 2 or features.num_tokens != values.shape[0]:
+            return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
+        if form.width is not None and values.shape[1] != form.width:
+            return f"{form.values_field} is {values.shape[1]} wide, this model's features {form.width}"
+        if form.delivery == CONNECTOR:
+            # The rows are checked against the engine's own placeholder by the connector.
+            source = features.tensors[SOURCE]
+            return None if source.dtype == torch.uint8 and source.ndim == 1 else f"{SOURCE} is not a byte string"
+        for name, (dtype, ndim) in form.metadata_kinds.items():
+            if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
+                return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
+        try:
+            out = self.processor(self._prompts[modality], self._parse([features], modality), hf_processor_mm_kwargs={})
+            (placeholder,) = out["mm_placeholders"][modality]
+        except Exception as err:  # vLLM's validation: wrong hidden size, inconsistent grid, ...
+            return f"vLLM refuses them as {modality} embeddings: {err}"
+        if placeholder.get_num_embeds() != values.shape[0]:
+            return f"{values.shape[0]} feature rows for a placeholder of {placeholder.get_num_embeds()} tokens"
+        return None

@@ -1,3 +1,0 @@
-from pipeline.models.builtin import main
-
-main()
