@@ -9,11 +9,10 @@ from ray.exceptions import (
     NodeDiedError,
     ObjectLostError,
     RayActorError,
-    RayTaskError,
     WorkerCrashedError,
 )
 
-from pipeline.api.errors import IrisError, server_error
+from pipeline.api.errors import IrisError, causes, server_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,10 +34,5 @@ def failure_response(err: BaseException, what: str, timeout_s: float) -> IrisErr
 def stage_failed(err: BaseException | None) -> bool:
     """Whether `err` says a replica of a downstream stage died or became unreachable
     (killed, crashed, its node lost), as opposed to a bug."""
-    for _ in range(8):  # causes nest: a task error caused by an actor's death, ...
-        if err is None:
-            return False
-        if isinstance(err, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError)):
-            return True
-        err = err.cause if isinstance(err, RayTaskError) else err.__cause__
-    return False
+    # Causes nest: a task error caused by an actor's death, ...
+    return any(isinstance(e, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError)) for e in causes(err))

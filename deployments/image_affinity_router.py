@@ -12,8 +12,9 @@ This is Iris's own router, a subclass of Serve's pluggable `RequestRouter` base
 class: it replaces Serve's default router (`PowerOfTwoChoicesRequestRouter`) for
 LLMDecode, it does not extend it. `choose_replicas` returns ranks of replicas; the
 base class tries them in order and, within a rank, takes the replica with the
-shortest queue that accepts the request. The ranking itself is `deployments.affinity`
-(no Ray): rendezvous hashing on the first image's key with a load bound. Requests
+shortest queue that accepts the request. The key is the request's Serve `session_id`, which
+the ingress sets to the first image's key (deployments/decode_stream.py); the ranking itself is
+`deployments.affinity`: rendezvous hashing on that key with a load bound. Requests
 without images get two random replicas from `deployments.affinity.two_choices`, Iris's
 copy of the power-of-two-choices step, so the shorter of two queues wins. None of
 the default router's mixins are used: no FIFOMixin (it would hand the replica chosen
@@ -33,19 +34,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from deployments.affinity import ReplicaLoad, affinity_key, rank_for_key, two_choices
-
-
-def request_media_keys(pending_request: PendingRequest | None) -> list[str]:
-    """The image keys of a `decode.generate.remote(DecodeRequest)` call, read by
-    attribute so that the rest of DecodeRequest may change freely."""
-    if pending_request is None:
-        return []
-    for arg in [*(pending_request.args or ()), *(pending_request.kwargs or {}).values()]:
-        keys = arg.get("media_keys") if isinstance(arg, dict) else getattr(arg, "media_keys", None)
-        if isinstance(keys, (list, tuple)):
-            return [k for k in keys if isinstance(k, str)]
-    return []
+from deployments.affinity import ReplicaLoad, rank_for_key, two_choices
 
 
 class ImageAffinityRouter(RequestRouter):
@@ -64,8 +53,8 @@ class ImageAffinityRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        key = affinity_key(request_media_keys(pending_request))
-        if key is None:
+        key = pending_request.metadata.session_id if pending_request is not None else ""
+        if not key:
             return [[by_id[rid] for rid in two_choices(list(by_id))]] if by_id else []
         loads = [ReplicaLoad(rid, self._in_flight(r), r.max_ongoing_requests) for rid, r in by_id.items()]
         return [[by_id[rid] for rid in rank] for rank in rank_for_key(key, loads, self._max_load_factor)]

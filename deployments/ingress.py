@@ -5,10 +5,9 @@ job (deployments/media_features.py); its answer comes from LLMDecode as a Decode
 and goes out as vLLM's response models (pipeline/api/openai_format.py). Every request has
 a deadline (`request_timeout_s`) for all its work.
 
-Every route but /health first checks the API key when keys are configured (401 otherwise,
-pipeline/tenancy/auth.py); chat and completion requests then pass their tenant's limits (429,
-pipeline/tenancy/limits.py) before any media work, and give their slot back when the answer
-ends, however it ends.
+Every route but /health depends on `caller` (deployments/admission.py): the API key's tenant,
+or a 401 when keys are configured. Chat and completion requests then pass their tenant's limits
+(429) before any media work, and give their slot back when the answer ends, however it ends.
 """
 
 from __future__ import annotations
@@ -17,46 +16,37 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.admission import Admission, caller
 from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
-from deployments.media_features import MediaFeatures
-from deployments.metrics import RequestMetrics, TenantMetrics
+from deployments.media_features import MediaFeatures, RequestMedia
+from deployments.metrics import RequestMetrics
 from deployments.stage_trace import mark
 from pipeline.api import openai_format
 from pipeline.api.body import read_json_body
-from pipeline.api.chat_prompt import template_messages
+from pipeline.api.chat_prompt import messages_for_template
 from pipeline.api.chat_request import parse_chat_request
-from pipeline.api.errors import IrisError, bad_request, not_found
+from pipeline.api.errors import MODEL_CHANGED, IrisError, bad_request, not_found
+from pipeline.api.openai_format import Reply, json_response
 from pipeline.api.sampling import check_max_tokens, validate_sampling
 from pipeline.api.tokenize import parse_detokenize_request, parse_tokenize_request
-from pipeline.stage_io import DecodeChunk, DecodeRequest
-from pipeline.tenancy.auth import KeyRing, unauthorized
-from pipeline.tenancy.limits import TenantLimiter, Ticket
-from pipeline.tenancy.tenant import bearer_token, tenant_of
+from pipeline.stage_io import DecodeRequest
+from pipeline.tenancy.limits import Ticket
 
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
 
 
-@dataclass
-class Reply:
-    """How an opened answer goes out: streamed as `events(chunks)`, or whole as `whole(answer)`."""
-    stream: bool
-    events: Callable[[AsyncIterator], AsyncIterator[str]]
-    whole: Callable[[openai_format.Answer], object]
-    headers: dict | None = None
-
-
-def _json(model, headers: dict | None = None) -> Response:
-    """A vLLM response model in full, as `vllm serve` sends it."""
-    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+@app.exception_handler(IrisError)
+async def _refused(request: Request, err: IrisError) -> JSONResponse:
+    """An IrisError raised before a route ran: the 401 of `caller`."""
+    return request.app.state.ingress.error_response(err, "request refused")
 
 
 # User code on the replica's own event loop (Ray Serve's throughput-optimized setting): with
@@ -73,71 +63,59 @@ class Ingress:
         self.config = config
         self.decode = decode
         self.metrics = RequestMetrics()
-        self.tenant_metrics = TenantMetrics(self.metrics.counts)
-        self.keys = KeyRing.load(config.auth)  # None: no keys configured, requests need none
-        self.limiter = TenantLimiter(config.tenant_limits, config.cache, config.request_timeout_s)
-        self._releasing: set[asyncio.Task] = set()
+        self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
+        # What the module-level dependency and error handler reach (one Ingress per replica process).
+        app.state.admission, app.state.ingress = self.admission, self
         # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
                                + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3 + (1 << 20)
 
-    # --- routes ---------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok", "redis": await self.features.cache.ping()}
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        try:
-            self._caller(request)
-        except IrisError as err:
-            return self._error(err, "models")
-        return _json(openai_format.model_list(self.config.model_name, self.config.engine_args.get("max_model_len")))
+    @app.get("/v1/models", dependencies=[Depends(caller)])
+    async def models(self) -> Response:
+        max_model_len = self.config.engine_args.get("max_model_len")
+        return json_response(openai_format.model_list(self.config.model_name, max_model_len))
 
-    @app.get("/iris/stats")
-    async def stats(self, request: Request):
-        try:
-            self._caller(request)
-        except IrisError as err:
-            return self._error(err, "stats")
+    @app.get("/iris/stats", dependencies=[Depends(caller)])
+    async def stats(self):
         return {"ingress": dict(self.metrics.counts), "cache": self.features.cache.stats(),
-                "tenant_limits": dict(self.limiter.stats), "model": await self.features.model()}
+                "tenant_limits": self.admission.stats(), "model": await self.features.model()}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await self._answer(self._open_chat, request, "chat completion")
+    async def chat_completions(self, request: Request, tenant: str = Depends(caller)):
+        return await self._answer(self._open_chat, request, tenant, "chat completion")
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request):
+    async def completions(self, request: Request, tenant: str = Depends(caller)):
         """Text prompts, with the chat endpoint's sampling surface (vLLM's CompletionRequest)."""
-        return await self._answer(self._open_text, request, "completion")
+        return await self._answer(self._open_text, request, tenant, "completion")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=[Depends(caller)])
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a text prompt, or text-only chat messages through the chat template."""
         try:
-            self._caller(request)
             job = parse_tokenize_request(await self._body(request), self.config.max_images_per_prompt)
             self._check_model(job.model)
             result = await self.decode.tokenize.remote(job)
             if isinstance(result, IrisError):
                 raise result
         except Exception as err:  # a client error, a dead replica (503), a bug (500)
-            return self._error(err, "tokenize failed")
-        return _json(result)
+            return self.error_response(err, "tokenize failed")
+        return json_response(result)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(caller)])
     async def detokenize(self, request: Request):
         try:
-            self._caller(request)
             req = parse_detokenize_request(await self._body(request))
             self._check_model(req.model)
-            return _json(await self.decode.detokenize.remote(req.tokens))
+            return json_response(await self.decode.detokenize.remote(req.tokens))
         except Exception as err:
-            return self._error(err, "detokenize failed")
+            return self.error_response(err, "detokenize failed")
 
-    # --- answers --------------------------------------------------------------
     async def _open_chat(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         mark("ingress.received", request_id)
@@ -146,13 +124,11 @@ class Ingress:
         mark("ingress.parsed", request_id)
         check_max_tokens(chat.sampling, self.config.max_tokens_limit)
         self._check_model(chat.model)
-        await self._admit(ticket, len(chat.media))  # before any media work
-        tenant = ticket.tenant
-        messages = template_messages(chat)
-        media = await self.features.resolve(chat, tenant)
-        stream = await self.features.open_decode(media, lambda delivered: DecodeStream.open(
-            self.decode, DecodeRequest(request_id, messages, media.keys, chat.sampling, delivered, tenant,
-                                       modalities=media.modalities)))
+        await self.admission.admit(ticket, len(chat.media))  # before any media work
+        media = await self.features.resolve(chat, ticket.tenant)
+        stream = await self._open_decode(DecodeRequest(
+            request_id, messages_for_template(chat.messages), media.keys, chat.sampling, media.delivered,
+            ticket.tenant, modalities=media.modalities), media)
         mark("ingress.first_token", request_id)
         model = self.config.model_name
         return stream, Reply(
@@ -169,9 +145,8 @@ class Ingress:
             raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
         self._check_model(req.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        await self._admit(ticket, 0)
-        tenant = ticket.tenant
-        stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=tenant,
+        await self.admission.admit(ticket, 0)
+        stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=ticket.tenant,
                                                                     prompt=prompt))
         model = self.config.model_name
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -179,74 +154,47 @@ class Ingress:
                                                                                   include_usage),
                              lambda answer: answer.text(request_id, model))
 
-    async def _answer(self, open_answer: Callable, request: Request, what: str) -> Response:
+    async def _open_decode(self, request: DecodeRequest, media: RequestMedia) -> DecodeStream:
+        """The decode stream, opened beside the request's encodes; again once after computing the
+        features that vanished from the cache since they were looked up."""
+        for attempt in range(2):
+            try:
+                stream = await DecodeStream.open(self.decode, request, media.take_encodes())
+            except IrisError as err:
+                if err.code == MODEL_CHANGED:
+                    self.features.forget_model()
+                raise
+            if not stream.first.missing_keys:
+                return stream
+            stream.cancel()
+            if attempt == 0:  # (within the request's deadline, like all its work)
+                await self.features.recompute(media, stream.first.missing_keys)
+        raise IrisError("image features could not be delivered to the decoder", status_code=503,
+                        code="features_unavailable")
+
+    async def _answer(self, open_answer: Callable, request: Request, tenant: str, what: str) -> Response:
         """`open_answer(request, ticket)` within the request's deadline, then its answer, streamed or
         whole. The ticket (the tenant's limits) is given back when the answer ends, however it ends."""
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        ticket = None
+        ticket = self.admission.ticket(tenant)
         try:
-            ticket = self.limiter.ticket(self._caller(request))
             async with asyncio.timeout_at(deadline):
                 stream, reply = await open_answer(request, ticket)
             self.metrics.ttft.observe(time.perf_counter() - start)
         except BaseException as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
-            if ticket is not None:
-                await self._release(ticket)
+            await self.admission.release(ticket)
             if not isinstance(err, Exception):  # cancelled: the client left
                 raise
-            return self._error(err, f"{what} failed")
+            return self.error_response(err, f"{what} failed")
         chunks = stream.chunks(deadline)
         if ticket.backend is not None:  # a tenant with limits: its prompt tokens are charged at the end
-            chunks = self._charged(chunks, ticket)
+            chunks = self.admission.charged(chunks, ticket)
         if reply.stream:
             return StreamingResponse(self._sse(reply.events(chunks), chunks, ticket), media_type="text/event-stream",
                                      headers=reply.headers)
         return await self._whole(chunks, reply.whole, reply.headers, what, ticket)
 
-    # --- keys and limits --------------------------------------------------------
-    def _caller(self, request: Request) -> str:
-        """The request's tenant; a 401 when keys are configured and it carries none of them."""
-        owner = None
-        if self.keys is not None:
-            owner = self.keys.tenant(bearer_token(request.headers))
-            if owner is None:
-                self.tenant_metrics.unauthorized()
-                raise unauthorized()
-        return tenant_of(request.headers, self.config.tenant_header, owner)
-
-    async def _admit(self, ticket: Ticket, images: int) -> None:
-        try:
-            await self.limiter.admit(ticket, images)
-        except IrisError as err:
-            self.tenant_metrics.rate_limited(ticket.tenant, err.extra.get("limit", ""))
-            raise
-        self.tenant_metrics.admitted(ticket.tenant)
-
-    async def _release(self, ticket: Ticket) -> None:
-        """Give the ticket back, and charge its prompt tokens. Shielded: a client that leaves
-        (cancellation) does not stop it half way."""
-        if ticket.backend is None or ticket.released:
-            return
-        self.tenant_metrics.charged(ticket.tenant, ticket.prompt_tokens)
-        task = asyncio.ensure_future(self.limiter.release(ticket))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-        await asyncio.shield(task)
-
-    async def _charged(self, chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
-        """The chunks; the last one's prompt tokens are charged and the ticket given back before it
-        goes on, so before the client reads [DONE] (its next request may follow at once)."""
-        try:
-            async for chunk in chunks:
-                if chunk.done:
-                    ticket.prompt_tokens = chunk.prompt_tokens
-                    await self._release(ticket)
-                yield chunk
-        finally:
-            await chunks.aclose()
-
-    # --- helpers --------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
         return await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
 
@@ -262,14 +210,14 @@ class Ingress:
         try:
             answer = await openai_format.Answer.gather(chunks)
         except Exception as err:
-            return self._error(err, f"{what} failed while decoding")
+            return self.error_response(err, f"{what} failed while decoding")
         finally:
             try:
                 await chunks.aclose()
             finally:
-                await self._release(ticket)
+                await self.admission.release(ticket)
         self.metrics.outcome("ok")
-        return _json(render(answer), headers)
+        return json_response(render(answer), headers)
 
     async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator, ticket: Ticket):
         """A streamed answer's body: the events, [DONE] last. Once the stream has started, an error
@@ -288,13 +236,13 @@ class Ingress:
                 await events.aclose()
                 await chunks.aclose()
             finally:
-                await self._release(ticket)
+                await self.admission.release(ticket)
 
     def _failure(self, err: BaseException, what: str) -> IrisError:
         error = failure_response(err, what, self.config.request_timeout_s)
         self.metrics.error(error.status_code, error.code)
         return error
 
-    def _error(self, err: BaseException, what: str) -> JSONResponse:
+    def error_response(self, err: BaseException, what: str) -> JSONResponse:
         error = self._failure(err, what)
         return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers or None)

@@ -15,8 +15,8 @@ cross to the encoder and are encoded, never while they wait in Preprocess.
 Each key is computed once across concurrent requests on this replica (the encoder's
 cache adds the same across replicas). Keys seen computed or present are remembered,
 so a repeated image costs no presence check; should one be gone by the time LLMDecode
-reads it, the decode says so and `open_decode` recomputes it once (or answers 409 for
-an upload-free item).
+reads it, the decode says so and the ingress has it `recompute`d once (or answers 409
+for an upload-free item).
 
 The fingerprint of the encoder's weights is part of every key; it comes from the
 VisionEncoder, and is asked again after a stage says the model changed.
@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import contextvars
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ray.serve.handle import DeploymentHandle
@@ -36,11 +35,10 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, uuid_key
 from deployments.config import IrisConfig
-from deployments.decode_stream import DecodeStream
 from deployments.metrics import CacheMetrics, RequestMetrics
 from deployments.stage_trace import mark
 from pipeline.api.chat_request import ParsedChat
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.api.errors import MODEL_CHANGED, IrisError, bad_request
 from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.model.vision_model import CONNECTOR
 from pipeline.stage_io import EncodedMedia, MediaJob
@@ -64,6 +62,11 @@ class RequestMedia:
     encodes: asyncio.Future | None = None  # this request's encodes (own and joined); None: nothing to wait for
     cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
     computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
+
+    def take_encodes(self) -> asyncio.Future | None:
+        """The encodes started since the last call, for the decode call to wait beside."""
+        encodes, self.encodes = self.encodes, None
+        return encodes
 
 
 @dataclass
@@ -132,48 +135,19 @@ class MediaFeatures:
         self.metrics.media(media.cached, media.computed)
         return media
 
-    async def open_decode(self, media: RequestMedia, open_stream: Callable[[dict], Awaitable[DecodeStream]]
-                          ) -> DecodeStream:
-        """`open_stream(delivered)`, again once after recomputing features that vanished from
-        the cache since they were looked up (evicted, or this replica's memory was stale)."""
-        for attempt in range(2):
-            try:
-                stream = await self._opened(media, open_stream)
-            except IrisError as err:
-                if err.code == "model_changed":
-                    self._fingerprint = None  # later requests key their items for the new weights
-                raise
-            if not stream.first.missing_keys:
-                return stream
-            stream.cancel()
-            gone = set(stream.first.missing_keys)
-            for key in gone:
-                self._known.pop(key, None)
-            upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas))
-                           if key in gone and data is None]
-            if upload_free:
-                raise cache_miss(upload_free, [media.names[i] for i in upload_free])
-            if attempt == 0:  # (within the request's deadline, like all its work)
-                await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
-        raise IrisError("image features could not be delivered to the decoder", status_code=503,
-                        code="features_unavailable")
+    async def recompute(self, media: RequestMedia, gone: list[str]) -> None:
+        """Compute again the features of `gone` keys, which vanished from the cache since they were
+        looked up (evicted, or this replica's memory was stale); 409 for items sent by uuid only."""
+        for key in gone:
+            self._known.pop(key, None)
+        upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas)) if key in gone and data is None]
+        if upload_free:
+            raise cache_miss(upload_free, [media.names[i] for i in upload_free])
+        await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
 
-    async def _opened(self, media: RequestMedia, open_stream: Callable[[dict], Awaitable[DecodeStream]]
-                      ) -> DecodeStream:
-        """The decode stream, opened while the request's encodes finish. An encode's failure
-        (a bad video, a dead replica) is the request's answer, whatever the decoder made of it."""
-        encodes, media.encodes = media.encodes, None
-        if encodes is None:
-            return await open_stream(media.delivered)
-        opening = asyncio.ensure_future(open_stream(media.delivered))
-        try:
-            await encodes
-        except BaseException:
-            opening.cancel()
-            if opening.done() and not opening.cancelled() and opening.exception() is None:
-                opening.result().cancel()
-            raise
-        return await opening
+    def forget_model(self) -> None:
+        """A stage said the model changed: later requests key their items for the new weights."""
+        self._fingerprint = None
 
     async def model(self) -> dict:
         """The encoder's fingerprint (what a plain `vllm serve` with Iris's EC connector needs to
@@ -275,8 +249,8 @@ class MediaFeatures:
                 pixels.cancel()
                 raise
             if isinstance(result, IrisError):
-                if result.code == "model_changed":
-                    self._fingerprint = None
+                if result.code == MODEL_CHANGED:
+                    self.forget_model()
                 raise result
             self._remember(job.key)
             return result

@@ -5,14 +5,14 @@ cluster needed. Uses Serve's private test helpers, as Serve's own router tests d
 import dataclasses
 import uuid
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, RequestMetadata
 from ray.serve._private.test_utils import FAKE_REPLICA_DEPLOYMENT_ID, FakeRunningReplica
 from ray.serve.request_router import PendingRequest
 
-from deployments.image_affinity_router import ImageAffinityRouter, request_media_keys
+from deployments.decode_stream import session_of
+from deployments.image_affinity_router import ImageAffinityRouter
 from pipeline.stage_io import DecodeRequest
 
 MAX_ONGOING = 4
@@ -40,9 +40,10 @@ def _decode_request(image_keys):
 
 
 async def _route(router, image_keys):
-    rid = uuid.uuid4().hex
-    pending = PendingRequest(args=[_decode_request(image_keys)], kwargs={},
-                             metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
+    """As the ingress calls the decoder: the request's routing key in Serve's `session_id`."""
+    rid, request = uuid.uuid4().hex, _decode_request(image_keys)
+    pending = PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(
+        request_id=rid, internal_request_id=rid, session_id=session_of(request)))
     replica = await router._choose_replica_for_request(pending)
     return replica.replica_id.unique_id
 
@@ -91,14 +92,10 @@ async def test_text_only_requests_are_spread():
     assert min(counts.values()) > 20, counts
 
 
-async def test_image_keys_are_read_defensively():  # in a loop, as in Serve's router
-    pending = lambda *args, **kwargs: PendingRequest(  # noqa: E731
-        args=list(args), kwargs=kwargs, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
-    assert request_media_keys(pending(_decode_request(["a", "b"]))) == ["a", "b"]
-    assert request_media_keys(pending(request=SimpleNamespace(media_keys=["k"]))) == ["k"]
-    assert request_media_keys(pending({"media_keys": ["d"]})) == ["d"]
-    assert request_media_keys(pending("text", 3)) == []
-    assert request_media_keys(None) == []
+def test_the_session_is_the_first_image_key():
+    assert session_of(_decode_request(["a", "b"])) == "a"
+    assert session_of(_decode_request(["", "b"])) == "b"
+    assert session_of(_decode_request([])) == ""
 
 
 @pytest.mark.parametrize("kwargs", [{"max_load_factor": 0.5}, {"max_load_factor": "1.5"}, {"imbalance": 3}])

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pipeline.api.chat_request import ChatMessage, MediaPlaceholder, ParsedChat
-
-
-def template_messages(chat: ParsedChat) -> list[dict]:
-    """HF chat-template messages, with each image and video where the client put it."""
-    return messages_for_template(chat.messages)
+from pipeline.api.chat_request import ChatMessage, MediaPlaceholder
 
 
 def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
+    """HF chat-template messages, with each image and video where the client put it."""
     out = []
     for message in messages:
         content = [

@@ -30,11 +30,9 @@ from pydantic import (
     field_validator,
 )
 
-from pipeline.api.errors import IrisError, bad_request
+from cache_service.keys import MAX_UUID_CHARS
+from pipeline.api.errors import bad_request, validation_error
 from pipeline.api.sampling import validate_sampling
-
-MAX_UUID_CHARS = 512
-
 
 # ---------------------------------------------------------------------------
 # Request body (shape and types only)
@@ -106,7 +104,7 @@ class StreamOptionsModel(_Model):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(_Model):
+class ChatBody(_Model):
     # Messages and streaming only: sampling fields are validated by vLLM's own
     # request model (pipeline/api/sampling.py), so they mean what vLLM means.
     model: Text | None = None
@@ -175,9 +173,9 @@ def parse_chat_request(body: dict, max_images: int, max_videos: int = 0) -> Pars
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        req = ChatCompletionRequest.model_validate(body)
+        req = ChatBody.model_validate(body)
     except ValidationError as e:
-        raise validation_error_to_iris(e) from None
+        raise validation_error(e) from None
 
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
@@ -285,59 +283,3 @@ def _parse_part(part: ContentPartModel, p: str, role: str) -> TextPart | MediaIn
             param=f"{p}.{part.type}",
         )
     return MediaInput(index=-1, url=url, uuid=uuid, modality=modality)  # index assigned by the caller
-
-
-# ---------------------------------------------------------------------------
-# pydantic ValidationError -> IrisError
-# ---------------------------------------------------------------------------
-
-_JSON_TYPE_NAMES = {
-    str: "string",
-    int: "integer",
-    float: "number",
-    bool: "boolean",
-    list: "array",
-    dict: "object",
-    type(None): "null",
-}
-
-
-def format_loc(loc: tuple[str | int, ...]) -> str:
-    """('messages', 1, 'content', 0, 'image_url') -> 'messages[1].content[0].image_url'."""
-    out = ""
-    for item in loc:
-        if isinstance(item, str) and "(" in item:  # pydantic's validator tags, e.g. function-wrap[f()]
-            continue
-        if isinstance(item, int):
-            out += f"[{item}]"
-        else:
-            out += f".{item}" if out else str(item)
-    return out
-
-
-def validation_error_to_iris(exc: ValidationError) -> IrisError:
-    """Turn pydantic's first error into a 400 that names the field and problem.
-
-    The offending value is never echoed back: it may be a multi-megabyte
-    data URL.
-    """
-    errors = exc.errors(include_url=False, include_input=True)
-    first = errors[0]
-    param = format_loc(tuple(first["loc"])) or None
-    msg = first["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    value = first.get("input")
-    if first["type"] == "missing":
-        msg = "this field is required"
-    elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
-        # pydantic would name our internal class; clients know JSON objects.
-        msg = f"Input should be an object (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
-    elif first["type"] == "literal_error" and isinstance(value, str) and len(value) <= 64:
-        msg = f"{msg} (got {value!r})"
-    elif first["type"].endswith("_type") or first["type"] == "literal_error":
-        msg = f"{msg} (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
-    message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(message, param=param)

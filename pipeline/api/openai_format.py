@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from fastapi.responses import Response
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProbs,
@@ -199,3 +200,17 @@ def text_events(chunks: AsyncIterator[DecodeChunk], request_id: str, model: str,
             prompt_token_ids=None, token_ids=None)
 
     return _messages(chunks, event, choice, [], include_usage)
+
+
+@dataclass
+class Reply:
+    """How an opened answer goes out: streamed as `events(chunks)`, or whole as `whole(answer)`."""
+    stream: bool
+    events: Callable[[AsyncIterator], AsyncIterator[str]]
+    whole: Callable[[Answer], object]
+    headers: dict | None = None
+
+
+def json_response(model, headers: dict | None = None) -> Response:
+    """A vLLM response model in full, as `vllm serve` sends it."""
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.api.errors import bad_request
+from pipeline.api.errors import bad_request, validation_error, vllm_refusal
 
 # Fields of vLLM's request models that Iris honours with vLLM's meaning.
 # Anything else vLLM knows is refused unless left at its default.
@@ -45,8 +45,6 @@ def validate_sampling(body: dict, kind: str = "chat") -> Any:
     """vLLM's validated request (picklable) for `kind` "chat" or "completion"; IrisError 400 otherwise."""
     from vllm.exceptions import VLLMClientError
 
-    from pipeline.api.chat_request import validation_error_to_iris
-
     if kind == "chat":
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionRequest as Model,
@@ -58,16 +56,16 @@ def validate_sampling(body: dict, kind: str = "chat") -> Any:
     try:
         req = Model.model_validate(_stub(body, kind))
     except ValidationError as e:
-        raise validation_error_to_iris(e) from None
+        raise validation_error(e) from None
     except (ValueError, TypeError, VLLMClientError) as e:  # vLLM's validators raise VLLMValidationError past pydantic
-        raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
+        raise vllm_refusal(e) from None
     refuse_unhonoured(req, SAMPLING_FIELDS | OWN_FIELDS)
     try:  # SamplingParams checks ranges (n, top_p, temperature, ...): fail here, before any image work
         wanted = max_tokens_of(req)
         # Without max_tokens vLLM fills in what the context leaves; unknown here, so "plenty".
         req.to_sampling_params(wanted if wanted is not None else 1 << 20, {})
     except (ValueError, TypeError, VLLMClientError) as e:
-        raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
+        raise vllm_refusal(e) from None
     return req
 
 

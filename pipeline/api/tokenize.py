@@ -18,12 +18,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from pipeline.api.chat_prompt import messages_for_template
-from pipeline.api.chat_request import (
-    ChatCompletionRequest,
-    parse_messages,
-    validation_error_to_iris,
-)
-from pipeline.api.errors import bad_request
+from pipeline.api.chat_request import ChatBody, parse_messages
+from pipeline.api.errors import bad_request, validation_error, vllm_refusal
 from pipeline.api.sampling import refuse_unhonoured
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -54,9 +50,9 @@ def parse_tokenize_request(body: dict, max_images: int) -> TokenizeJob:
         return TokenizeJob(req.model, req.prompt, None, req.add_special_tokens,
                            return_token_strs=bool(req.return_token_strs))
     try:
-        parsed = ChatCompletionRequest.model_validate({"messages": body["messages"]})
+        parsed = ChatBody.model_validate({"messages": body["messages"]})
     except ValidationError as e:
-        raise validation_error_to_iris(e) from None
+        raise validation_error(e) from None
     messages, media = parse_messages(parsed.messages, {"image": max_images, "video": max_images})
     if media:
         raise bad_request("/tokenize does not count images or videos on this server: send text-only messages "
@@ -82,6 +78,6 @@ def _validate(model, body: dict):
     try:
         return TypeAdapter(model).validate_python(body)
     except ValidationError as e:
-        raise validation_error_to_iris(e) from None
+        raise validation_error(e) from None
     except (ValueError, TypeError, VLLMClientError) as e:  # vLLM's validators may raise past pydantic
-        raise bad_request(str(e).split(" (parameter=")[0], param=getattr(e, "parameter", None)) from None
+        raise vllm_refusal(e) from None

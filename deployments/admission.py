@@ -1,0 +1,85 @@
+"""Who a request is and whether it may start, for the ingress's routes.
+
+- `caller`, a FastAPI dependency of every route but /health (as `vllm serve --api-key`
+  checks keys before any route runs): the request's tenant, or a 401 when API keys are
+  configured and the request carries none of them (pipeline/tenancy/auth.py).
+- `Admission`: the tenant's limits (pipeline/tenancy/limits.py). A chat or completion request
+  holds a ticket from its admission (429 when over a limit, before any media work) until its
+  answer ends, however it ends; its prompt tokens are charged with its last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from deployments.config import IrisConfig
+from deployments.metrics import RequestMetrics, TenantMetrics
+from pipeline.api.errors import IrisError
+from pipeline.stage_io import DecodeChunk
+from pipeline.tenancy.auth import KeyRing, unauthorized
+from pipeline.tenancy.limits import TenantLimiter, Ticket
+from pipeline.tenancy.tenant import bearer_token, tenant_of
+
+
+def caller(request: Request) -> str:
+    """FastAPI dependency: the request's tenant (401 IrisError without a configured key)."""
+    return request.app.state.admission.tenant(request)
+
+
+class Admission:
+    def __init__(self, config: IrisConfig, metrics: RequestMetrics):
+        self.keys = KeyRing.load(config.auth)  # None: no keys configured, requests need none
+        self.tenant_header = config.tenant_header
+        self.limiter = TenantLimiter(config.tenant_limits, config.cache, config.request_timeout_s)
+        self.metrics = TenantMetrics(metrics.counts)
+        self._releasing: set[asyncio.Task] = set()
+
+    def tenant(self, request: Request) -> str:
+        owner = None
+        if self.keys is not None:
+            owner = self.keys.tenant(bearer_token(request.headers))
+            if owner is None:
+                self.metrics.unauthorized()
+                raise unauthorized()
+        return tenant_of(request.headers, self.tenant_header, owner)
+
+    def ticket(self, tenant: str) -> Ticket:
+        return self.limiter.ticket(tenant)
+
+    async def admit(self, ticket: Ticket, images: int) -> None:
+        """Take the ticket's place within its tenant's limits; a 429 IrisError when over one."""
+        try:
+            await self.limiter.admit(ticket, images)
+        except IrisError as err:
+            self.metrics.rate_limited(ticket.tenant, err.extra.get("limit", ""))
+            raise
+        self.metrics.admitted(ticket.tenant)
+
+    async def release(self, ticket: Ticket) -> None:
+        """Give the ticket back, and charge its prompt tokens. Shielded: a client that leaves
+        (cancellation) does not stop it half way."""
+        if ticket.backend is None or ticket.released:
+            return
+        self.metrics.charged(ticket.tenant, ticket.prompt_tokens)
+        task = asyncio.ensure_future(self.limiter.release(ticket))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
+
+    async def charged(self, chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
+        """The chunks; the last one's prompt tokens are charged and the ticket given back before it
+        goes on, so before the client reads [DONE] (its next request may follow at once)."""
+        try:
+            async for chunk in chunks:
+                if chunk.done:
+                    ticket.prompt_tokens = chunk.prompt_tokens
+                    await self.release(ticket)
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def stats(self) -> dict:
+        return dict(self.limiter.stats)
