@@ -24,7 +24,7 @@ from cache_service.validation import ValueCheck, stamp_fingerprint
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, StageQueueMetrics, latency_histogram
 from deployments.stage_trace import mark
-from pipeline.api.errors import IrisError
+from pipeline.api.errors import IrisError, model_changed
 from pipeline.model.vision_model import PixelInputs
 from pipeline.stage_io import EncodedMedia
 from pipeline.tenancy.fair_gate import FairGate
@@ -96,8 +96,7 @@ class VisionEncoder:
         if fingerprint_of(key) != self.fingerprint:
             # A rolling update: the ingress keyed this image for other weights. Never store
             # our features under another model's key; the ingress refetches the fingerprint.
-            return IrisError("the model was updated while this request was in flight; retry",
-                             status_code=503, code="model_changed")
+            return model_changed()
 
         if self.max_tokens is None:
             cost = 1
@@ -119,7 +118,8 @@ class VisionEncoder:
         mark("encoder.end", key)
         return encoded
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda q: sum(i.cost for i in q))
+    # Batch size and wait come from the config, set per replica in __init__.
+    @serve.batch(batch_size_fn=lambda q: sum(i.cost for i in q))
     async def _forward(self, batch: list[_Queued]):
         start = time.perf_counter()
         mark("encoder.forward_start")

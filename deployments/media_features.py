@@ -7,7 +7,7 @@ with 409 `mm_cache_miss` before any work is done.
 
 LLMDecode is called as soon as the VisionEncoder calls are routed, with their result
 references: it waits for the features itself, so its call and the prompt's tokenization
-overlap the forward pass instead of following it (~5 ms of a new item's first token).
+overlap the forward pass instead of following it (bench/results/video/README.md).
 Serve routes an encoder call once Preprocess's pixels exist, so a request holds one of
 LLMDecode's slots (`max_ongoing_requests`, what its autoscaling counts) while its pixels
 cross to the encoder and are encoded, never while they wait in Preprocess.

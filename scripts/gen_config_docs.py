@@ -10,10 +10,8 @@ gets a table of its own, under its dotted name. One row per field: its name, its
 type with the bounds pydantic enforces, its default, and its description.
 
 The description is the field's `Field(description=...)` (or its attribute docstring,
-which pydantic turns into one under `use_attribute_docstrings`); failing both, the
-attribute's docstring or the comments written next to it in the model's source: the
-comment lines right above the field and the comment at the end of its line. A field
-with none of these shows "—". Nothing here is written by hand, so a field added to a
+which pydantic turns into one under `use_attribute_docstrings`); a field with neither
+shows "—". Nothing here is written by hand, so a field added to a
 model, a changed default or a new description makes `--check` (and tests/test_docs.py)
 fail until this script is run again.
 """
@@ -21,13 +19,9 @@ fail until this script is run again.
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
-import io
 import re
 import sys
-import textwrap
-import tokenize
 import types
 import typing
 from pathlib import Path
@@ -51,48 +45,8 @@ def _root_model() -> type:
 # ---------------------------------------------------------------------------
 
 
-def _source_notes(cls: type) -> dict[str, str]:
-    """field name -> its attribute docstring, or the comments next to it, from `cls`'s own source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # a class made at run time (pydantic.create_model) has no source
-        return {}
-    tree = ast.parse(source)
-    body = next((node.body for node in tree.body if isinstance(node, ast.ClassDef)), [])
-    lines = source.splitlines()
-    comments: dict[int, str] = {}  # line number (1-based) -> comment text
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    notes = {}
-    for i, node in enumerate(body):
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        following = body[i + 1] if i + 1 < len(body) else None
-        if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            notes[node.target.id] = inspect.cleandoc(following.value.value)
-            continue
-        above = []
-        line = node.lineno - 1
-        while line >= 1 and line in comments and lines[line - 1].lstrip().startswith("#"):
-            above.insert(0, comments[line])
-            line -= 1
-        trailing = [comments[n] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1) if n in comments]
-        text = " ".join(part for part in [*above, *trailing] if part)
-        if text:
-            notes[node.target.id] = text[0].upper() + text[1:]
-    return notes
-
-
 def description(model: type, name: str) -> str:
-    info = model.model_fields[name]
-    if info.description:
-        return " ".join(info.description.split())
-    for cls in model.__mro__:  # the class whose body declares the field
-        if name in getattr(cls, "__annotations__", {}):
-            return _source_notes(cls).get(name, "")
-    return ""
+    return " ".join((model.model_fields[name].description or "").split())
 
 
 # ---------------------------------------------------------------------------

@@ -60,9 +60,8 @@ def _loads(raw: bytes | bytearray, max_depth: int) -> Any:
     """msgspec's decoder (a vLLM dependency) on the bytes: it accepts strict UTF-8 JSON only, a
     subset of what json.loads accepts, and gives equal values for it. What it refuses (bad UTF-8,
     syntax errors, NaN, 1e400, escaped lone surrogates) takes the standard library's path, so every
-    body parses, or fails, with the values and messages it always had. For a 2.7 MB video body:
-    2-6 ms against 7-9 ms (bench/results/json_body.md); no str of the whole body is made, and on
-    this VM the page faults of one more such allocation cost 3-5 ms."""
+    body parses, or fails, with the values and messages it always had. It is the faster of the two
+    on large bodies (bench/results/json_body.md), and makes no str of the whole body."""
     try:
         return msgspec.json.decode(raw)
     except RecursionError:
@@ -95,7 +94,7 @@ def _depth_exceeds(value: Any, max_depth: int, raw: bytes) -> bool:
     """Level by level over non-empty containers: no recursion on hostile input, and no
     per-node bookkeeping. A chat body has a few dozen elements, walked in microseconds; past
     WALK_BUDGET of them (a body of millions of `[]`) the brackets in `raw` bound the depth first,
-    at C speed. Only then: that count costs ~0.5 ms per MB, paid by every image body otherwise."""
+    at C speed. Only then: that count costs time per MB, paid by every image body otherwise."""
     level = [value] if isinstance(value, (dict, list)) else []
     depth, visited, bounded = 1, 0, False
     while level:

@@ -11,7 +11,6 @@ Accepted forms:
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
@@ -67,13 +66,3 @@ def _ensure_builtin(model: str) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def model_type(checkpoint: str) -> str:
-    """The `model_type` from the checkpoint's config (downloads only config.json for hub ids)."""
-    local = Path(checkpoint) / "config.json"
-    if local.is_file():
-        return json.loads(local.read_text())["model_type"]
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(checkpoint).model_type
