@@ -43,7 +43,7 @@ def jpeg(width: int, height: int) -> bytes:
 
 def measure(model: str, rounds: int, iters: int) -> dict:
     from cache_service import codec
-    from pipeline.model.ec_connector import FeatureStaging, staged_name, values_of
+    from pipeline.model.ec_staging import FeatureStaging, staged_name, values_of
     from pipeline.model.source import resolve_model
     from pipeline.model.vision_model import CONNECTOR, VisionModel
 

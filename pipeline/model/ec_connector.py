@@ -12,9 +12,9 @@ out the placeholders: the decode replica gives the engine the item's bytes too.
 Where the features come from, in order:
 - the staging folder (`staging_dir`): LLMDecode writes an item's features there (Iris's
   value codec, file named by `staged_name(key)`) before it calls the engine with the item's
-  key as its uuid, and removes them when the request ends (`FeatureStaging`). The engine
-  runs in processes of its own (vLLM's EngineCore, its workers): a file in /dev/shm is the
-  cheapest way in, one copy.
+  key as its uuid, and removes them when the request ends (`FeatureStaging`, in
+  pipeline/model/ec_staging.py). The engine runs in processes of its own (vLLM's EngineCore,
+  its workers): a file in /dev/shm is the cheapest way in, one copy.
 - the feature plane (`redis_url`): for an engine that is not Iris's (a plain `vllm serve
   --ec-transfer-config ...`), the item's uuid names Iris's uuid key for `tenant` under
   `fingerprint` (the VisionEncoder's, from `/iris/stats`), read with the cache's codec and
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +56,9 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from cache_service import codec
-from cache_service.keys import DEFAULT_NAMESPACE, DEFAULT_TENANT, content_hash, uuid_key
+from cache_service.keys import DEFAULT_NAMESPACE, DEFAULT_TENANT, uuid_key
 from cache_service.validation import ValueCheck
+from pipeline.model.ec_staging import staged_name, values_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,59 +70,6 @@ logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "IrisECConnector"
 MODULE_PATH = __name__
-SHM = Path("/dev/shm")
-
-
-def staged_name(key: str) -> str:
-    """The staging file of a key (keys may be long and hold any escaped text)."""
-    return content_hash(key.encode())[:40] + ".irf"
-
-
-def values_of(features: codec.Features) -> torch.Tensor | None:
-    """The tensor the engine's encoder cache holds for one item: the features' one 2-D
-    floating-point tensor (the others are metadata: grids, the item's own bytes)."""
-    values = [t for t in features.tensors.values() if t.is_floating_point() and t.ndim == 2]
-    return values[0] if len(values) == 1 else None
-
-
-class FeatureStaging:
-    """LLMDecode's side of the staging folder: an item's features are on disk (tmpfs) while
-    at least one request that needs them is in flight."""
-
-    def __init__(self, directory: str | os.PathLike | None = None):
-        base = directory or (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None)
-        self.dir = Path(tempfile.mkdtemp(prefix="iris-ec-", dir=base))
-        self._users: dict[str, int] = {}  # key -> requests in flight that staged it
-
-    def stage(self, key: str, features: codec.Features) -> None:
-        """Write `features` under `key` (once while any request holds it); `release` undoes."""
-        if self._users.get(key):
-            self._users[key] += 1
-            return
-        path = self.dir / staged_name(key)
-        partial = path.with_suffix(".partial")
-        partial.write_bytes(codec.encode(codec.Features({"values": values_of(features)}, {})))
-        partial.replace(path)  # the engine never sees a half-written file
-        self._users[key] = 1
-
-    def release(self, keys: list[str]) -> None:
-        for key in keys:
-            users = self._users.get(key, 0) - 1
-            if users > 0:
-                self._users[key] = users
-                continue
-            self._users.pop(key, None)
-            (self.dir / staged_name(key)).unlink(missing_ok=True)
-
-    @property
-    def staged(self) -> int:
-        return len(self._users)
-
-    def close(self) -> None:
-        import shutil
-
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self._users.clear()
 
 
 def ec_transfer_config(staging_dir: str | os.PathLike, widths: dict[str, int]) -> dict:

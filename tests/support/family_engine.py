@@ -32,11 +32,8 @@ def main(checkpoint: str, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
 
-    from pipeline.model.ec_connector import (
-        FeatureStaging,
-        connector_counts,
-        ec_transfer_config,
-    )
+    from pipeline.model.ec_connector import connector_counts, ec_transfer_config
+    from pipeline.model.ec_staging import FeatureStaging
     from pipeline.model.vision_model import CONNECTOR, VisionModel
     from tests.support.images import REFERENCE_TEXT, png_bytes
 
