@@ -1,15 +1,16 @@
-"""FeatureCache: L1 in process + L2 in Redis, with single-flight computation.
+"""FeatureCache: L1 in process + L2, the cluster-wide FeatureStore (store.py; Redis), with
+single-flight computation.
 
-Reads go L1 first, then one batched Redis read for the L1 misses; L2 hits are
+Reads go L1 first, then one batched L2 read for the L1 misses; L2 hits are
 promoted into L1. Writes go to both. `get_or_compute_many` adds single-flight:
 when several callers miss on the same key at once, in this process or on any
 replica, the features are computed once:
 
 - in process, the first caller owns one future per key and later callers
   await it;
-- across replicas, the owner takes a Redis lock per key (SET NX PX, expiring
-  after `lock_ttl_s` in case the replica dies); a caller that finds the lock
-  taken polls Redis until the value appears, and computes itself when
+- across replicas, the owner takes a lock per key in L2 (expiring after
+  `lock_ttl_s` in case the replica dies); a caller that finds the lock
+  taken polls L2 until the value appears, and computes itself when
   `single_flight_wait_s` runs out (counted) or when the lock disappears
   without a value (the holder failed; the waiter takes the lock over).
 
@@ -17,55 +18,50 @@ A failed or cancelled computation makes the callers that joined it compute
 for themselves, so each request only ever sees its own compute's errors.
 
 With `write_behind=True` a computed value is returned as soon as it is in L1;
-its Redis write and the lock release follow in a background task (in that
+its L2 write and the lock release follow in a background task (in that
 order, so a waiting replica still sees the value before the lock goes). The
 serving path uses it: the request that computed the features gets them
 directly and should not wait on a multi-megabyte SET.
 
-Never raises because of Redis: when it is unreachable the cache serves L1 only
-(see redis_tier.py). Everything runs in one asyncio event loop; nothing here is
-thread-safe. Returned Features are shared with the cache: treat them as
-read-only (see codec.py).
+Never raises because of L2: when it is unreachable the cache serves L1 only
+(see store.py, redis_tier.py). Everything runs in one asyncio event loop;
+nothing here is thread-safe. Returned Features are shared with the cache: treat
+them as read-only (see codec.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable
 
 from cache_service.codec import CorruptValue, Features, decode, encode
 from cache_service.config import CacheConfig
 from cache_service.l1 import L1Cache
-from cache_service.redis_tier import RedisTier
-from cache_service.single_flight import Compute, ComputeResult, Flight
+from cache_service.single_flight import Compute, ComputeResult, SingleFlight
 from cache_service.stats import CacheStats
+from cache_service.store_factory import make_store
 from cache_service.validation import ValueCheck
 
 logger = logging.getLogger(__name__)
 
+
 class FeatureCache:
     def __init__(self, config: CacheConfig | None = None, check: ValueCheck | None = None):
-        """`check`: what values read from Redis must satisfy beyond the checksum
+        """`check`: what values read from L2 must satisfy beyond the checksum
         (model fingerprint, the family's shapes); None accepts any decodable value."""
         self.config = config or CacheConfig()
         self._check = check
         self.counters = CacheStats()
         self._l1 = L1Cache(self.config.l1_max_bytes)
-        self.l2 = RedisTier(self.config, self.counters) if self.config.redis_url else None
+        self.l2 = make_store(self.config, self.counters)
         self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
-        self.lock_ttl_ms = max(1, round(self.config.lock_ttl_s * 1000))
-        # key -> future of (Features, shared) for keys being computed by a call in this process.
-        self.flights: dict[str, asyncio.Future[tuple[Features, bool]]] = {}
-        # Lock releases left running after a failed or cancelled call (strong refs).
-        self._background: set[asyncio.Task] = set()
+        self._single_flight = SingleFlight(self, self.l2, self.config, self.counters)
 
     @property
     def redis_available(self) -> bool:
         return self.l2 is not None and self.l2.available
 
     async def ping(self) -> bool:
-        """True when Redis answers now, every master of a cluster (see RedisTier.ping)."""
+        """True when L2 answers now, every master of a Redis Cluster (see RedisTier.ping)."""
         return self.l2 is not None and await self.l2.ping()
 
     def stats(self) -> dict[str, int | float]:
@@ -76,8 +72,7 @@ class FeatureCache:
         return snapshot
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._single_flight.close()  # background writes and lock releases first
         if self.l2 is not None:
             await self.l2.close()
 
@@ -107,7 +102,7 @@ class FeatureCache:
         for i, (key, features) in enumerate(items):
             features = features.cpu()  # L1 holds host memory, never device memory
             self.counters.puts += 1
-            # L1 first, so concurrent readers hit while the Redis write is in flight.
+            # L1 first, so concurrent readers hit while the L2 write is in flight.
             self._l1.put(key, features, in_l2=False)
             if not self.redis_available:
                 continue  # no encoding work while degraded
@@ -160,8 +155,8 @@ class FeatureCache:
         return found
 
     async def read_l2(self, keys: list[str]) -> list[Features | None] | None:
-        """Values of `keys` in Redis, checked and promoted into L1 (hits counted); None per
-        key absent or refused (a corrupt or foreign value is deleted); None when Redis is not there."""
+        """Values of `keys` in L2, checked and promoted into L1 (hits counted); None per
+        key absent or refused (a corrupt or foreign value is deleted); None when L2 is not there."""
         values = await self.l2.get_many(keys)
         if values is None:
             return None
@@ -173,7 +168,7 @@ class FeatureCache:
         return found
 
     def _accept_l2_value(self, key: str, value: bytes | None, corrupt: list[str]) -> Features | None:
-        """Decode a value read from Redis and promote it into L1; None if absent or corrupt."""
+        """Decode a value read from L2 and promote it into L1; None if absent or corrupt."""
         if value is None:
             return None
         self.counters.l2_bytes_read += len(value)
@@ -194,12 +189,6 @@ class FeatureCache:
         self._l1.put(key, features, in_l2=True)
         return features
 
-    def in_background(self, work: Awaitable) -> None:
-        """Run `work` in the background, strongly referenced until done (close() awaits it)."""
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # -- single-flight --------------------------------------------------------
 
     async def get_or_compute_many(
@@ -212,7 +201,7 @@ class FeatureCache:
         called at most twice: once for the keys this call locked, and again for
         keys whose wait on another caller timed out or whose computing caller
         failed. Its exceptions propagate to the caller. With `write_behind`,
-        computed results have shared=False: their Redis write is still running.
+        computed results have shared=False: their L2 write is still running.
         """
         results: list[ComputeResult | None] = [None] * len(keys)
         positions: dict[str, list[int]] = {}  # key -> its indexes in keys, for misses
@@ -224,9 +213,5 @@ class FeatureCache:
         if not positions:
             return results  # type: ignore[return-value]
 
-        flight = Flight(self, positions, results, compute, write_behind)
-        try:
-            await flight.run()
-        finally:
-            flight.finish()
+        await self._single_flight.run(positions, results, compute, write_behind)
         return results  # type: ignore[return-value]

@@ -15,11 +15,9 @@ Videos have keys of their own kinds, `vc`, `vt` and `vu` for `c`, `t` and `u`: v
 - fingerprint: short lowercase hex naming the model (weights + preprocessing),
   computed elsewhere. Features of one model are never served to another.
 - hash: blake3 of the raw image bytes as uploaded, before any decoding, as 64
-  lowercase hex chars (sha256 where the blake3 package is missing; a mixed
-  cluster then merely shares less, since both are 256-bit and cannot collide in
-  practice). Shared content keys serve equal bytes to every tenant; with sharing
-  off (`content_key(..., tenant=...)`) a tenant cannot learn, from cache hits or
-  timing, whether another tenant sent an image.
+  lowercase hex chars. Shared content keys serve equal bytes to every tenant;
+  with sharing off (`content_key(..., tenant=...)`) a tenant cannot learn, from
+  cache hits or timing, whether another tenant sent an image.
 - tenant, uuid: client text, percent-escaped (RFC 3986 unreserved characters are
   kept, everything else, ':' '%' '/' spaces, control characters and non-ASCII
   included, becomes %XX of its UTF-8 bytes). Escaping is injective and leaves no
@@ -27,20 +25,16 @@ Videos have keys of their own kinds, `vc`, `vt` and `vu` for `c`, `t` and `u`: v
   UUID keys carry the tenant so that one tenant cannot read another's features
   by guessing an id; a missing tenant is "default".
 
-Client UUIDs follow vLLM's `multi_modal_uuids`: one entry per image, and `None`
-means "use the content key" (see `image_keys`).
+Client UUIDs follow vLLM's `multi_modal_uuids`: one entry per item, and `None`
+means "use the content key" (the caller picks `uuid_key` or `content_key`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from urllib.parse import quote
 
-try:
-    from blake3 import blake3 as _blake3
-except ImportError:  # pragma: no cover - blake3 is a project dependency
-    _blake3 = None
+from blake3 import blake3
 
 KEY_VERSION = "v1"
 DEFAULT_NAMESPACE = "iris"
@@ -54,11 +48,9 @@ _FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,%d}" % MAX_FINGERPRINT_CHARS)
 
 
 def content_hash(data: bytes) -> str:
-    """Hex digest of the raw bytes (blake3, or sha256 without the blake3 package)."""
-    if _blake3 is not None:
-        # Single-threaded: gigabytes a second, far more than image uploads need.
-        return _blake3(data).hexdigest()
-    return hashlib.sha256(data).hexdigest()
+    """blake3 hex digest of the raw bytes."""
+    # Single-threaded: gigabytes a second, far more than image uploads need.
+    return blake3(data).hexdigest()
 
 
 def content_key(
@@ -90,34 +82,6 @@ def _kind(kind: str, modality: str) -> str:
     if modality not in _MODALITY_KINDS:
         raise ValueError(f"no keys for modality {modality!r}")
     return _MODALITY_KINDS[modality] + kind
-
-
-def image_keys(
-    fingerprint: str,
-    tenant: str | None,
-    images: list[bytes | None],
-    uuids: list[str | None] | None = None,
-    namespace: str = DEFAULT_NAMESPACE,
-    share_content: bool = True,
-) -> list[str]:
-    """One key per image with vLLM `multi_modal_uuids` semantics.
-
-    `uuids` is None (content keys for all) or has one entry per image; an entry
-    of None falls back to the content key, which needs that image's bytes.
-    """
-    if uuids is None:
-        uuids = [None] * len(images)
-    if len(uuids) != len(images):
-        raise ValueError(f"{len(uuids)} uuids for {len(images)} images; need one per image")
-    keys = []
-    for i, (data, uid) in enumerate(zip(images, uuids)):
-        if uid is not None:
-            keys.append(uuid_key(fingerprint, tenant, uid, namespace))
-        elif data is None:
-            raise ValueError(f"image {i} has neither bytes nor a uuid")
-        else:
-            keys.append(content_key(fingerprint, data, namespace, None if share_content else (tenant or DEFAULT_TENANT)))
-    return keys
 
 
 def fingerprint_of(key: str) -> str | None:

@@ -58,7 +58,3 @@ class L1Cache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0

@@ -1,5 +1,5 @@
-"""L2: Redis (one server, or a Redis Cluster) as the cluster-wide tier, with degraded
-mode per shard when one is unreachable.
+"""RedisTier: the FeatureStore (store.py) on Redis, one server or a Redis Cluster, with
+degraded mode per shard when one is unreachable.
 
 Every method handles all the keys it is given in pipelines, one per shard, run
 concurrently (one round trip each, or a few for large values: see set_many). One
@@ -40,34 +40,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from redis.asyncio import ConnectionPool, Redis, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio import ConnectionPool, RedisCluster
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cache_service.config import CacheConfig
+from cache_service.redis_client import REDIS_ERRORS, UNREACHABLE, Backoff, connect
 from cache_service.stats import CacheStats
+from cache_service.store import Buffer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Buffer = bytes | bytearray | memoryview | mmap.mmap
 # Values are SET in pipelines of at most this many bytes: redis-py sends a whole
 # pipeline under one socket timeout, so one pipeline of many large values could
 # time out under CPU load although Redis is healthy.
 PIPELINE_BYTES = 10 << 20
-
-# Errors that mean "Redis is unreachable or too slow": they switch to degraded
-# mode. Other RedisErrors (e.g. OOM under noeviction) fail one command only.
-# OSError covers the builtin TimeoutError, which asyncio raises.
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 # Deletes a lock that still holds our token; a lock that expired and was taken
 # by another replica meanwhile is left alone. One key per call: a cluster runs a
@@ -88,23 +79,6 @@ def lock_key(key: str) -> str:
 
 # The shard of every key of a single Redis, and of a cluster whose slot map cannot be loaded.
 WHOLE = "redis"
-
-
-def connect(config: CacheConfig, client_name: str, **pool) -> Redis | RedisCluster:
-    """A client of `config`'s Redis or Redis Cluster (`pool`: e.g. max_connections), retrying as
-    Iris's Redis users must: a slow or failing Redis fails fast, into each user's own fallback."""
-    settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
-                    client_name=client_name, **pool)
-    if config.redis_cluster:
-        # No retries inside redis-py: its retry closes every master's connections and
-        # sleeps; a failing shard is ours to mark down (the others keep serving), and its
-        # reconnect task reloads the slot map. MOVED/ASK are still followed.
-        return RedisCluster.from_url(config.connect_url(), retry=Retry(NoBackoff(), 0), require_full_coverage=False,
-                                     **settings)
-    # One immediate retry on a connection error covers a pooled connection that died with a
-    # restarted server; timeouts are not retried, since a slow Redis should fail fast.
-    return Redis.from_url(config.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                          **settings)
 
 
 class RedisTier:
@@ -166,7 +140,7 @@ class RedisTier:
         if isinstance(self._client, RedisCluster):
             try:
                 return bool(await self._client.ping(target_nodes=RedisCluster.PRIMARIES))
-            except (RedisError, OSError):
+            except REDIS_ERRORS:
                 return False
         return bool(await self._run("PING", WHOLE, self._client.ping))
 
@@ -219,7 +193,7 @@ class RedisTier:
             return None if keys else []
         try:
             shards = await self._shards(keys)
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self._stats.l2_errors += 1
             self._shard_down(WHOLE, what, exc)
             return None
@@ -282,7 +256,7 @@ class RedisTier:
         try:
             async with self._slots:
                 return await command()
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self._stats.l2_errors += 1
             self._shard_down(shard, what, exc)
         except RedisError as exc:
@@ -311,15 +285,14 @@ class RedisTier:
                        "reconnecting with backoff", where, what, exc)
 
     async def _reconnect(self, shard: str) -> None:
-        delay = self._config.backoff_initial_s
+        backoff = Backoff(self._config)
         while not self._closed:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(backoff.failed())
             try:
                 if await self._answers(shard):
                     break
             except Exception as exc:
-                logger.debug("redis %s still unreachable (%r); next try in %.1f s", shard, exc, delay)
-            delay = min(2 * delay, self._config.backoff_max_s)
+                logger.debug("redis %s still unreachable (%r); next try in %.1f s", shard, exc, backoff.delay_s)
         else:
             return
         del self._down[shard]

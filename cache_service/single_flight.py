@@ -1,5 +1,10 @@
 """Single-flight for FeatureCache.get_or_compute_many: the keys one call missed are
-computed once, in this process and across replicas (see feature_cache.py's docstring)."""
+computed once, in this process and across replicas (see feature_cache.py's docstring).
+
+`SingleFlight` is one cache's state (the computations in flight in this process, background
+writes and lock releases); a `Flight` is one call's. They use the cache through `Tiers`, and
+the cluster-wide locks through the FeatureStore.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,12 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cache_service.codec import Features
-
-if TYPE_CHECKING:
-    from cache_service.feature_cache import FeatureCache
+from cache_service.config import CacheConfig
+from cache_service.stats import CacheStats
+from cache_service.store import FeatureStore
 
 logger = logging.getLogger(__name__)
 
@@ -31,39 +36,89 @@ class Abandoned(Exception):
     """The caller computing a key failed or was cancelled; joiners compute themselves."""
 
 
+class Tiers(Protocol):
+    """The cache's value path, which a flight reads and writes through."""
+
+    async def read_l2(self, keys: list[str]) -> list[Features | None] | None:
+        """Checked values from the store, promoted into L1; None when the store is not there."""
+
+    async def put_many(self, items: list[tuple[str, Features]]) -> list[bool]:
+        """Store in L1 and the store; True where the value is now in the store."""
+
+    def remember(self, key: str, features: Features) -> None:
+        """Keep in L1 only."""
+
+
+class SingleFlight:
+    def __init__(self, tiers: Tiers, store: FeatureStore | None, config: CacheConfig, stats: CacheStats):
+        self.tiers = tiers
+        self.store = store
+        self.stats = stats
+        self.lock_ttl_ms = max(1, round(config.lock_ttl_s * 1000))
+        self.wait_s, self.poll_s = config.single_flight_wait_s, config.single_flight_poll_s
+        # key -> future of (Features, shared) for keys being computed by a call in this process.
+        self.flights: dict[str, asyncio.Future[tuple[Features, bool]]] = {}
+        # Write-behinds, and lock releases left running after a failed or cancelled call (strong refs).
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def store_available(self) -> bool:
+        return self.store is not None and self.store.available
+
+    async def run(self, positions: dict[str, list[int]], results: list[ComputeResult | None], compute: Compute,
+                  write_behind: bool) -> None:
+        """Fill `results` at the `positions` of each missed key (see get_or_compute_many)."""
+        flight = Flight(self, positions, results, compute, write_behind)
+        try:
+            await flight.run()
+        finally:
+            flight.finish()
+
+    def in_background(self, work: Awaitable) -> None:
+        """Run `work` in the background, strongly referenced until done (close() awaits it)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
 class Flight:
     """The single-flight state of one get_or_compute_many call over its missed keys."""
 
     def __init__(
         self,
-        cache: FeatureCache,
+        single_flight: SingleFlight,
         positions: dict[str, list[int]],
         results: list[ComputeResult | None],
         compute: Compute,
         write_behind: bool = False,
     ):
-        self.cache = cache
+        self.single_flight = single_flight
+        self.tiers = single_flight.tiers
+        self.store = single_flight.store
+        self.stats = single_flight.stats
         self.write_behind = write_behind
-        self.stats = cache.counters
-        self.l2 = cache.l2
         self.positions = positions
         self.results = results
         self.compute = compute
-        self.token = uuid.uuid4().hex  # identifies our Redis locks
+        self.token = uuid.uuid4().hex  # identifies our locks in the store
         self.owned: dict[str, asyncio.Future[tuple[Features, bool]]] = {}
         self.joined: dict[str, asyncio.Future[tuple[Features, bool]]] = {}
-        self.locked: set[str] = set()  # keys whose Redis lock we hold
+        self.locked: set[str] = set()  # keys whose lock we hold
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for key in self.positions:
-            future = self.cache.flights.get(key)
+            future = self.single_flight.flights.get(key)
             if future is not None:
                 self.joined[key] = future
                 self.stats.single_flight_local_waits += 1
             else:
                 future = loop.create_future()
-                self.cache.flights[key] = future
+                self.single_flight.flights[key] = future
                 self.owned[key] = future
 
         compute_now, wait_for = await self._claim(list(self.owned))
@@ -88,15 +143,15 @@ class Flight:
     def finish(self) -> None:
         """Settle every future we own and release our locks, whatever happened."""
         for key, future in self.owned.items():
-            if self.cache.flights.get(key) is future:
-                del self.cache.flights[key]
+            if self.single_flight.flights.get(key) is future:
+                del self.single_flight.flights[key]
             if not future.done():
                 future.set_exception(Abandoned())
                 future.exception()  # mark retrieved: nobody may be waiting on it
-        if self.locked and self.l2 is not None:
+        if self.locked and self.store is not None:
             # Only after an error or a cancellation; released in the background
             # so a cancelled caller returns at once. The lock TTL is the backstop.
-            self.cache.in_background(self.l2.release_many(list(self.locked), self.token))
+            self.single_flight.in_background(self.store.release_many(list(self.locked), self.token))
             self.locked.clear()
 
     def _resolve(
@@ -109,12 +164,13 @@ class Flight:
             future.set_result((features if for_joiners is None else for_joiners, shared))
 
     async def _claim(self, keys: list[str]) -> tuple[list[str], list[str]]:
-        """Lock keys in Redis; returns (keys to compute now, keys another replica computes)."""
+        """Lock keys in the store; returns (keys to compute now, keys another replica computes)."""
         if not keys:
             return [], []
-        claims = await self.l2.claim_many(keys, self.token, self.cache.lock_ttl_ms) if self.cache.redis_available else None
+        available = self.single_flight.store_available
+        claims = await self.store.claim_many(keys, self.token, self.single_flight.lock_ttl_ms) if available else None
         if claims is None:
-            return keys, []  # no Redis: nothing to coordinate with, compute here
+            return keys, []  # no store: nothing to coordinate with, compute here
         held = {key for key, (is_holder, _) in zip(keys, claims) if is_holder}
         self.locked |= held
         # Values that another replica finished between our miss and the claim.
@@ -125,10 +181,10 @@ class Flight:
         return compute_now, wait_for
 
     async def _take_values(self, keys: list[str]) -> set[str]:
-        """Read keys' values from Redis and resolve those found; returns the keys resolved."""
+        """Read keys' values from the store and resolve those found; returns the keys resolved."""
         if not keys:
             return set()
-        values = await self.cache.read_l2(keys)
+        values = await self.tiers.read_l2(keys)
         resolved = set()
         for key, features in zip(keys, values or [None] * len(keys)):
             if features is not None:
@@ -139,7 +195,7 @@ class Flight:
     async def _release(self, keys: list[str]) -> None:
         if keys:
             self.locked.difference_update(keys)
-            await self.l2.release_many(keys, self.token)
+            await self.store.release_many(keys, self.token)
 
     async def _compute(self, keys: list[str]) -> None:
         indexes = [self.positions[key][0] for key in keys]
@@ -155,39 +211,38 @@ class Flight:
         on_host = [f.cpu() for f in features]
         if self.write_behind:
             for key, host in zip(keys, on_host):
-                self.cache.remember(key, host)  # local readers hit at once
+                self.tiers.remember(key, host)  # local readers hit at once
             locked = [k for k in keys if k in self.locked]
             self.locked.difference_update(locked)  # the background task releases them
-            self.cache.in_background(self._store_then_release(list(zip(keys, on_host)), locked))
+            self.single_flight.in_background(self._store_then_release(list(zip(keys, on_host)), locked))
             for key, f, host in zip(keys, features, on_host):
                 self._resolve(key, f, computed=True, shared=False, for_joiners=host)
             return
         # Write the values before releasing the locks: a waiter that sees the
         # lock gone without a value takes over and computes again.
-        shared = await self.cache.put_many(list(zip(keys, on_host)))
+        shared = await self.tiers.put_many(list(zip(keys, on_host)))
         for key, f, host, in_l2 in zip(keys, features, on_host, shared):
             self._resolve(key, f, computed=True, shared=in_l2, for_joiners=host)
         await self._release([k for k in keys if k in self.locked])
 
     async def _store_then_release(self, items: list[tuple[str, Features]], locked: list[str]) -> None:
         try:
-            await self.cache.put_many(items)
+            await self.tiers.put_many(items)
         finally:
             if locked:
-                await self.l2.release_many(locked, self.token)
+                await self.store.release_many(locked, self.token)
 
     async def _wait_for_other_replicas(self, keys: list[str]) -> list[str]:
         """Poll until another replica's values appear; returns keys to compute ourselves."""
-        config = self.cache.config
         self.stats.single_flight_waits += len(keys)
-        deadline = asyncio.get_running_loop().time() + config.single_flight_wait_s
+        deadline = asyncio.get_running_loop().time() + self.single_flight.wait_s
         pending = list(keys)
         ours: list[str] = []
         while pending:
-            await asyncio.sleep(config.single_flight_poll_s)
-            states = await self.l2.poll_many(pending) if self.cache.redis_available else None
+            await asyncio.sleep(self.single_flight.poll_s)
+            states = await self.store.poll_many(pending) if self.single_flight.store_available else None
             if states is None:
-                return ours + pending  # Redis gone: nobody can hand us the value
+                return ours + pending  # store gone: nobody can hand us the value
             ready = [k for k, (has_value, _) in zip(pending, states) if has_value]
             orphaned = [k for k, (has_value, has_lock) in zip(pending, states) if not has_value and not has_lock]
             if ready:

@@ -11,8 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 

@@ -10,7 +10,6 @@ from cache_service.keys import (
     MAX_UUID_CHARS,
     content_hash,
     content_key,
-    image_keys,
     uuid_key,
 )
 
@@ -39,12 +38,8 @@ def test_fingerprint_isolates_models():
 
 
 def test_tenant_isolates_uuid_keys_but_content_keys_are_shared():
-    images = [b"img-a", b"img-b"]
-    assert image_keys(FP, "t1", images) == image_keys(FP, "t2", images)
-    assert image_keys(FP, "t1", images, ["x", "y"]) != image_keys(FP, "t2", images, ["x", "y"])
-    # None falls back to the content key, per image.
-    keys = image_keys(FP, "t1", images, [None, "y"])
-    assert keys == [content_key(FP, b"img-a"), uuid_key(FP, "t1", "y")]
+    assert content_key(FP, b"img-a") == content_key(FP, b"img-a")  # no tenant in a shared content key
+    assert uuid_key(FP, "t1", "x") != uuid_key(FP, "t2", "x")
 
 
 def test_tricky_tenants_and_uuids_do_not_collide():
@@ -75,7 +70,3 @@ def test_invalid_inputs_raise_value_error():
         content_key("NOT-HEX", b"x")
     with pytest.raises(ValueError):
         content_key(FP, b"x", namespace="a:b")
-    with pytest.raises(ValueError):
-        image_keys(FP, None, [b"a", b"b"], ["only-one"])
-    with pytest.raises(ValueError):
-        image_keys(FP, None, [None], [None])

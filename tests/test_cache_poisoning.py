@@ -15,13 +15,7 @@ from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, fingerprint_of, uuid_key
 from cache_service.validation import FINGERPRINT_META, ValueCheck, stamp_fingerprint
-from tests.cache_fixtures import (  # noqa: F401
-    SHARED_REDIS_URL,
-    assert_same_features,
-    make_cache,
-    namespace,
-    raw_redis,
-)
+from tests.cache_fixtures import SHARED_REDIS_URL, assert_same_features
 
 FP_OLD, FP_NEW = "0ddf00d0", "0e1f2a3b"
 TOKENS, HIDDEN = 16, 32

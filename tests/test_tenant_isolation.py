@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cache_service.keys import content_key, fingerprint_of, image_keys, uuid_key
+from cache_service.keys import content_key, fingerprint_of, uuid_key
 from deployments.config import IrisConfig
 from pipeline.tenancy.tenant import cache_salt, tenant_of
 
@@ -54,10 +54,3 @@ def test_tricky_tenants_cannot_forge_another_tenants_content_key():
     a = content_key(FP, IMAGE, tenant="a")
     forged_tenant = "a:" + a.rsplit(":", 1)[1]
     assert content_key(FP, b"other", tenant=forged_tenant).split(":")[4] != "a"
-
-
-def test_image_keys_honour_sharing():
-    assert image_keys(FP, "t1", [IMAGE]) == image_keys(FP, "t2", [IMAGE]) == [content_key(FP, IMAGE)]
-    private = image_keys(FP, "t1", [IMAGE], share_content=False)
-    assert private == [content_key(FP, IMAGE, tenant="t1")] != image_keys(FP, "t2", [IMAGE], share_content=False)
-    assert image_keys(FP, None, [IMAGE], share_content=False) == [content_key(FP, IMAGE, tenant="default")]

@@ -25,7 +25,6 @@ N times the limits) and tries Redis again after a backoff that doubles from the 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import math
@@ -34,10 +33,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
-from redis.exceptions import RedisError
 
 from cache_service.config import CacheConfig
-from cache_service.redis_tier import connect
+from cache_service.redis_client import REDIS_ERRORS, Backoff, connect
 from pipeline.api.errors import IrisError, bad_request
 
 logger = logging.getLogger(__name__)
@@ -185,9 +183,7 @@ class TenantLimiter:
         self.namespace = cache.namespace
         self.clock = clock
         self.memory = MemoryCounters()
-        self.backoff_initial_s, self.backoff_max_s = cache.backoff_initial_s, cache.backoff_max_s
-        self._backoff_s = 0.0
-        self._retry_at = 0.0  # monotonic time before which Redis is not asked
+        self.backoff = Backoff(cache)
         self.redis = connect(cache, "iris-tenant-limits") if limits.any and cache.redis_url else None
         self.stats = {"redis_admissions": 0, "memory_admissions": 0, "redis_errors": 0}
 
@@ -224,7 +220,7 @@ class TenantLimiter:
                 self._redis_ok()
                 self.stats["redis_admissions"] += 1
                 backend = "redis"
-            except (RedisError, OSError) as err:
+            except REDIS_ERRORS as err:
                 self._redis_failed(err)
         if refused is None:
             refused, retry_ms = self.memory.admit(ticket, images, now_ms, deadline_ms)
@@ -253,7 +249,7 @@ class TenantLimiter:
         try:
             await self.redis.eval(_RELEASE, 2, inflight, spent, held, tokens,
                                   (minute + 1) * WINDOW_MS - now_ms + WINDOW_MS)
-        except (RedisError, OSError) as err:  # the slot expires at its deadline; these tokens go uncharged
+        except REDIS_ERRORS as err:  # the slot expires at its deadline; these tokens go uncharged
             self._redis_failed(err)
 
     async def close(self) -> None:
@@ -263,20 +259,19 @@ class TenantLimiter:
     # -- Redis health ----------------------------------------------------------------
 
     def _redis_usable(self) -> bool:
-        return self.redis is not None and time.monotonic() >= self._retry_at
+        return self.redis is not None and not self.backoff.waiting
 
     def _redis_ok(self) -> None:
-        if self._backoff_s:
+        if self.backoff.failing:
             logger.warning("Iris tenant limits: Redis answers again; limits are cluster-wide again")
-        self._backoff_s = 0.0
+        self.backoff.answered()
 
     def _redis_failed(self, err: BaseException) -> None:
         self.stats["redis_errors"] += 1
-        if not self._backoff_s:  # the URL is not logged: it may hold a password
+        if not self.backoff.failing:  # the URL is not logged: it may hold a password
             logger.warning("Iris tenant limits: Redis unreachable (%s); counting in this replica's memory",
                            type(err).__name__)
-        self._backoff_s = min(self.backoff_max_s, max(self.backoff_initial_s, self._backoff_s * 2))
-        self._retry_at = time.monotonic() + self._backoff_s
+        self.backoff.failed()
 
     @staticmethod
     def _refusal(limit: str, limits: LimitSet, images: int, retry_ms: int) -> IrisError:
