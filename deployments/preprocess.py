@@ -59,7 +59,7 @@ class Preprocess:
             except Exception as err:  # any decoder failure on untrusted bytes is the client's problem
                 raise bad_request(f"could not decode video: {err}", param=job.name, code="invalid_video") from None
         else:
-            media = decode_image(job.data, self.limits, param=job.name)
+            media = decode_image(job.data, self.limits, self.vision.image_io, param=job.name)
         mark("preprocess.decoded", job.key)
         if cancelled.is_set():  # the caller left while the bytes were decoded: skip the processor
             raise asyncio.CancelledError

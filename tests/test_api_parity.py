@@ -9,14 +9,17 @@ parameter family changes the answer, so a parameter silently dropped fails here.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from tests.support.apps import beside, reference_args
-from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.support.images import REFERENCE_TEXT, data_url, format_corpus, png_bytes
 from tests.support.sse import sse_chunks
 
 NAME = "bench"  # the served model name of both systems (no ':' for the peer)
@@ -228,6 +231,39 @@ def test_parity_corpus(iris_base, vllm_base, tokenizer):
             counts[kind] += 1
     print(f"parity: {len(cases) - len(failures)}/{len(cases)} agree {counts}")
     assert not failures, "\n".join(failures)
+
+
+def test_image_format_corpus_parity(iris_base, vllm_base):
+    """Each format and mode (16-bit grey and RGB, alpha, palette transparency, CMYK, EXIF
+    orientations, WebP, animated GIF, grey, 1-bit) gets vLLM's greedy tokens and logprobs: Iris
+    decodes with vLLM's ImageMediaIO. A 16-bit grey PNG once got Iris's own rescaling."""
+    def body(data: bytes, mime: str) -> dict:
+        return chat(images=(data_url(data, mime),), logprobs=True, top_logprobs=2, **GREEDY)
+
+    mimes = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}
+    failures, answers = [], {}
+    for name, data in format_corpus().items():
+        (si, ai), (sv, av) = (ask(base, body(data, mimes[name.split("-")[0]])) for base in (iris_base, vllm_base))
+        problems = [f"status {si}, {sv}"] if (si, sv) != (200, 200) else differences(ai, av)
+        if problems:
+            failures.append(f"--- {name}: {problems}\n"
+                            f"iris ({si}): {json.dumps(ai)[:800]}\nvllm ({sv}): {json.dumps(av)[:800]}")
+        answers[name] = av
+    assert not failures, "\n".join(failures)
+    # The corpus is sensitive to the pixels: different images, different answers ...
+    kinds: list[str] = []
+    for name in answers:
+        if all(differences(answers[name], answers[k]) for k in kinds):
+            kinds.append(name)
+    print(f"image formats: {len(answers)} cases agree, {len(kinds)} distinct answers")
+    assert len(kinds) >= 2, kinds
+    # ... and the old decoder's 16-bit rule (v * 255 // 65535, not vLLM's clipping) would fail here:
+    # those pixels as an 8-bit grey PNG, which both decode alike, get another answer from vLLM.
+    v = np.asarray(Image.open(io.BytesIO(format_corpus()["png-gray16"]))).astype(np.int64)
+    buf = io.BytesIO()
+    Image.fromarray((v * 255 // 65535).astype(np.uint8)).save(buf, "PNG")
+    status, rescaled = ask(vllm_base, body(buf.getvalue(), "image/png"))
+    assert status == 200 and differences(rescaled, answers["png-gray16"]), rescaled
 
 
 # --------------------------------------------------------------------------- canaries (Iris only)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from PIL import Image
+from vllm.multimodal.media import ImageMediaIO
 
 from pipeline.api.body import parse_json_body
 from pipeline.api.chat_request import ParsedChat, parse_chat_request
@@ -28,6 +29,7 @@ from pipeline.media.fetch import MediaLimits, load_media_bytes
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)  # reproducible in CI; new inputs come from editing strategies
 LIMITS = MediaLimits()
+VLLM_IO = ImageMediaIO()  # as `vllm serve` decodes images (RGB, white background)
 MAX_MESSAGE_CHARS = 2000  # errors must not echo megabytes of client input
 
 
@@ -241,7 +243,7 @@ SEEDS = {
 
 def check_decode(data: bytes, limits: MediaLimits = LIMITS) -> Image.Image | None:
     try:
-        img = decode_image(data, limits)
+        img = decode_image(data, limits, VLLM_IO)
     except IrisError as err:
         check_client_error(err)
         note(f"decode: 400 {err.code}")
@@ -274,8 +276,8 @@ def test_fuzz_decode_mutated_images(name, data):
     check_decode(bytes(raw))
 
 
-# Every mode Pillow can write to each allowed format, any EXIF orientation: a
-# correct RGB image of the right (oriented) size, or a clean 4xx.
+# Every mode Pillow can write to each allowed format, any EXIF orientation: vLLM's RGB
+# image (pixel for pixel) of the right (oriented) size, or a clean 4xx.
 MODES = ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "I;16", "I", "F", "YCbCr", "La", "RGBa"]
 
 
@@ -301,6 +303,7 @@ def test_fuzz_valid_images_every_mode_and_orientation(fmt, mode, w, h, orientati
         assume(False)  # Pillow cannot write this mode in this format
     out = check_decode(data)
     assert out is not None, f"a valid {mode} {fmt} was refused"
+    assert out.tobytes() == ImageMediaIO().load_bytes(data).media.tobytes(), "not vLLM's pixels"
     stored = Image.open(io.BytesIO(data))
     sw, sh = stored.size
     if fmt in ("JPEG", "WEBP", "PNG") and orientation in (5, 6, 7, 8) and stored.getexif().get(0x0112) == orientation:

@@ -1,4 +1,4 @@
-"""load_media_bytes and decode_image: formats, limits, conversions, and http
+"""load_media_bytes and decode_image: formats, limits, vLLM's conversions, and http
 fetching against a local server on 127.0.0.1 (never any other address)."""
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ import time
 
 import pytest
 from PIL import Image, ImageFile
+from vllm.multimodal.media import ImageMediaIO
 
 from pipeline.api.errors import IrisError
-from pipeline.media.decode import decode_image, to_rgb
+from pipeline.media.decode import decode_image
 from pipeline.media.fetch import MediaLimits, fetch_client, load_media_bytes
 from tests.support.http_server import QuietHandler, http_server
+from tests.support.images import format_corpus
 
 LIMITS = MediaLimits()
+VLLM_IO = ImageMediaIO()  # vLLM's image loader with vLLM serve's defaults (RGB, white background)
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -50,7 +53,7 @@ async def expect_error(coro, code: str) -> IrisError:
 
 def decode_error(data: bytes, code: str, limits: MediaLimits = LIMITS) -> IrisError:
     with pytest.raises(IrisError) as ei:
-        decode_image(data, limits)
+        decode_image(data, limits, VLLM_IO)
     assert ei.value.status_code == 400
     assert ei.value.code == code, ei.value.message
     return ei.value
@@ -83,13 +86,13 @@ async def test_data_url_roundtrip(fmt, mime, kw):
     raw = encode(noise((40, 30)), fmt, **kw)
     data = await load_media_bytes(data_url(raw, mime), LIMITS)
     assert data == raw
-    img = decode_image(data, LIMITS)
+    img = decode_image(data, LIMITS, VLLM_IO)
     assert img.mode == "RGB" and img.size == (40, 30)
 
 
 async def test_data_url_exact_pixels_png():
     src = Image.new("RGB", (3, 2), (10, 200, 30))
-    img = decode_image(await load_media_bytes(data_url(encode(src, "PNG")), LIMITS), LIMITS)
+    img = decode_image(await load_media_bytes(data_url(encode(src, "PNG")), LIMITS), LIMITS, VLLM_IO)
     assert img.getpixel((2, 1)) == (10, 200, 30)
 
 
@@ -204,7 +207,7 @@ def test_decompression_bomb_over_pillow_limit(load_forbidden):
 def test_pixel_limit_is_configurable():
     img = encode(Image.new("RGB", (100, 100)), "PNG")
     decode_error(img, "image_too_large", MediaLimits(max_image_pixels=9_999))
-    assert decode_image(img, MediaLimits(max_image_pixels=10_000)).size == (100, 100)
+    assert decode_image(img, MediaLimits(max_image_pixels=10_000), VLLM_IO).size == (100, 100)
 
 
 @pytest.mark.parametrize("fmt", ["TIFF", "ICO"])
@@ -213,89 +216,78 @@ def test_unsupported_format(fmt):
     err = decode_error(data, "unsupported_image_format")
     assert fmt in err.message
     # and it decodes once the format is allowed
-    assert decode_image(data, MediaLimits(allowed_formats=LIMITS.allowed_formats | {fmt})).size == (16, 16)
+    allowed = MediaLimits(allowed_formats=LIMITS.allowed_formats | {fmt})
+    assert decode_image(data, allowed, VLLM_IO).size == (16, 16)
 
 
 def test_bmp_and_gif_allowed_by_default():
     for fmt in ("BMP", "GIF"):
-        assert decode_image(encode(Image.new("RGB", (5, 7), "blue"), fmt), LIMITS).size == (5, 7)
+        assert decode_image(encode(Image.new("RGB", (5, 7), "blue"), fmt), LIMITS, VLLM_IO).size == (5, 7)
 
 
 def test_animated_gif_first_frame():
     frames = [Image.new("RGB", (12, 10), c) for c in ((255, 0, 0), (0, 0, 255))]
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
     assert Image.open(io.BytesIO(data)).n_frames == 2
-    img = decode_image(data, LIMITS)
+    img = decode_image(data, LIMITS, VLLM_IO)
     assert img.mode == "RGB" and img.size == (12, 10)
     r, g, b = img.getpixel((5, 5))
     assert r > 200 and b < 50
 
 
-def test_rgba_transparent_becomes_white():
+# --------------------------------------------------------------------------- conversions: vLLM's
+# Past the checks, the pixels are vLLM's ImageMediaIO's (as `vllm serve` decodes an upload):
+# alpha, palette transparency, 16-bit, CMYK, EXIF orientation, animation are whatever it makes of them.
+
+EXTRA = {  # modes and formats beyond the parity corpus, for the decoder only
+    "png-la": encode(noise((30, 20), "LA"), "PNG"),
+    "png-palette": encode(noise((30, 20), "L").convert("P"), "PNG"),
+    "webp-rgba": encode(noise((30, 20), "RGBA"), "WEBP", lossless=True),
+    "png-animated": encode(noise((20, 10)), "PNG", save_all=True, append_images=[noise((20, 10))]),
+    "jpeg-mpo": encode(noise((20, 10)), "MPO", save_all=True, append_images=[noise((20, 10))]),
+    "bmp": encode(noise((30, 20)), "BMP"),
+    "tiff-float": encode(noise((30, 20), "L").convert("F"), "TIFF"),
+    "tiff-i16": encode(Image.new("I;16", (30, 20), 40_000), "TIFF"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(format_corpus()) + sorted(EXTRA))
+def test_pixels_are_vllm_image_media_io(name):
+    data = format_corpus().get(name) or EXTRA[name]
+    limits = MediaLimits(allowed_formats=LIMITS.allowed_formats | {"TIFF"})
+    img = decode_image(data, limits, VLLM_IO)
+    ref = ImageMediaIO().load_bytes(data).media
+    assert img.mode == ref.mode == "RGB"
+    assert img.size == ref.size and img.tobytes() == ref.tobytes()
+
+
+def test_16_bit_grayscale_is_what_vllm_makes_of_it():
+    # vLLM (Pillow) clips 16-bit samples to 255; Iris once rescaled them, and answered differently.
+    data = encode(Image.new("I;16", (4, 4), 32896), "PNG")
+    vllm = ImageMediaIO().load_bytes(data).media.getpixel((0, 0))
+    assert decode_image(data, LIMITS, VLLM_IO).getpixel((0, 0)) == vllm
+
+
+def test_media_io_kwargs_image_apply():
+    """engine_args.media_io_kwargs["image"] reaches image decoding (as vLLM's --media-io-kwargs)."""
     src = Image.new("RGBA", (4, 3), (255, 0, 0, 255))
     src.putpixel((0, 0), (0, 0, 0, 0))
-    img = decode_image(encode(src, "PNG"), LIMITS)
-    assert img.mode == "RGB" and img.size == (4, 3)
-    assert img.getpixel((0, 0)) == (255, 255, 255)
-    assert img.getpixel((1, 0)) == (255, 0, 0)
-
-
-def test_palette_with_transparency():
-    src = Image.new("P", (6, 5), 1)
-    src.putpalette([0, 0, 0, 0, 128, 0] + [0] * 762)
-    src.putpixel((0, 0), 0)
-    data = encode(src, "PNG", transparency=0)
-    assert Image.open(io.BytesIO(data)).mode == "P"
-    img = decode_image(data, LIMITS)
-    assert img.mode == "RGB" and img.size == (6, 5)
-    assert img.getpixel((0, 0)) == (255, 255, 255)  # transparent index -> white, not black
-    assert img.getpixel((3, 3)) == (0, 128, 0)
-
-
-def test_palette_and_la_and_l_and_1():
-    p = Image.new("P", (3, 3), 2)
-    p.putpalette([0, 0, 0, 0, 0, 0, 9, 99, 199] + [0] * 759)
-    assert decode_image(encode(p, "PNG"), LIMITS).getpixel((1, 1)) == (9, 99, 199)
-
-    la = Image.new("LA", (3, 3), (100, 0))
-    assert decode_image(encode(la, "PNG"), LIMITS).getpixel((0, 0)) == (255, 255, 255)
-
-    gray = decode_image(encode(Image.new("L", (7, 2), 77), "PNG"), LIMITS)
-    assert gray.mode == "RGB" and gray.size == (7, 2) and gray.getpixel((0, 0)) == (77, 77, 77)
-
-    bw = decode_image(encode(Image.new("1", (9, 9), 1), "PNG"), LIMITS)
-    assert bw.mode == "RGB" and bw.getpixel((4, 4)) == (255, 255, 255)
-
-
-def test_cmyk_jpeg():
-    data = encode(Image.new("CMYK", (10, 8), (0, 255, 255, 0)), "JPEG", quality=95)
-    assert Image.open(io.BytesIO(data)).mode == "CMYK"
-    img = decode_image(data, LIMITS)
-    assert img.mode == "RGB" and img.size == (10, 8)
-    r, g, b = img.getpixel((5, 4))
-    assert r > 200 and g < 60 and b < 60  # cyan/magenta/yellow 0/255/255 = red
-
-
-def test_16_bit_grayscale_is_scaled_not_clipped():
-    src = Image.new("I;16", (4, 4), 32896)  # 50% grey in 16 bits
     data = encode(src, "PNG")
-    assert Image.open(io.BytesIO(data)).mode.startswith("I")
-    img = decode_image(data, LIMITS)
-    assert img.mode == "RGB" and img.size == (4, 4)
-    assert img.getpixel((0, 0)) == (128, 128, 128)  # Pillow's plain convert gives 255
+    assert decode_image(data, LIMITS, VLLM_IO).getpixel((0, 0)) == (255, 255, 255)  # vLLM's default: white
+    black = ImageMediaIO(image_mode="RGB", rgba_background_color=[0, 0, 0])
+    img = decode_image(data, LIMITS, black)
+    assert img.getpixel((0, 0)) == (0, 0, 0) and img.getpixel((1, 0)) == (255, 0, 0)
 
 
-def test_exif_orientation_applied():
-    src = Image.new("RGB", (40, 20), "green")
-    exif = Image.Exif()
-    exif[0x0112] = 6  # Orientation: rotate 90 CW for display
-    img = decode_image(encode(src, "JPEG", exif=exif.tobytes()), LIMITS)
-    assert img.size == (20, 40)
+def test_vision_model_decodes_with_its_media_io_kwargs(tiny_checkpoint):
+    from pipeline.model.vision_model import VisionModel
 
+    vision = VisionModel(tiny_checkpoint("llava"), media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}})
+    assert vision.image_io.rgba_background_color == (0, 0, 0) and vision.image_io.image_mode == "RGB"
+    src = Image.new("RGBA", (4, 3), (0, 0, 0, 0))
+    assert decode_image(encode(src, "PNG"), LIMITS, vision.image_io).getpixel((2, 2)) == (0, 0, 0)
+    assert vision.load_image(encode(src, "PNG")).getpixel((2, 2)) == (0, 0, 0)
 
-def test_to_rgb_keeps_rgb_object():
-    src = Image.new("RGB", (2, 2))
-    assert to_rgb(src) is src
 
 
 # --------------------------------------------------------------------------- http(s)
@@ -378,7 +370,7 @@ async def client():
 async def test_http_ok_default_client(server):
     data = await load_media_bytes(f"{server}/ok.png", LOOPBACK)
     assert data == PNG
-    assert decode_image(data, LIMITS).size == (64, 48)
+    assert decode_image(data, LIMITS, VLLM_IO).size == (64, 48)
 
 
 async def test_http_ok_shared_client(server, client):

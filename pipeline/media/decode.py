@@ -1,27 +1,36 @@
-"""Decode image bytes into an RGB image, and check a video's header, with the limits of
-MediaLimits; every failure is an IrisError 400 (codes in pipeline/media/fetch.py).
+"""Check image bytes against MediaLimits and decode them with vLLM's own image loader,
+and check a video's header; every failure is an IrisError 400 (codes in pipeline/media/fetch.py).
 
 The format and the pixel count come from the header, and are checked before any
 pixel memory is allocated; a video's size, frames and duration likewise before any
-frame is decoded.
+frame is decoded. The pixels are vLLM's: `ImageMediaIO` (with `media_io_kwargs["image"]`)
+decodes, orients (EXIF) and converts to RGB exactly as `vllm serve` does.
 """
 
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
-from PIL import Image, ImageOps
+from PIL import Image
 
 from pipeline.api.errors import bad_request
 from pipeline.media.fetch import MediaLimits, too_large_bytes
 
+if TYPE_CHECKING:
+    from vllm.multimodal.media import ImageMediaIO
 
-def decode_image(data: bytes, limits: MediaLimits, *, param: str | None = None) -> Image.Image:
-    """Decode image bytes into a loaded RGB PIL image, enforcing the limits.
+
+def decode_image(data: bytes, limits: MediaLimits, image_io: ImageMediaIO, *,
+                 param: str | None = None) -> Image.Image:
+    """Check image bytes against the limits, then decode them with `image_io` (vLLM's
+    ImageMediaIO, e.g. VisionModel.image_io): the image `vllm serve` would see.
 
     Order matters: the format and the pixel count come from the header, and are
     checked before any pixel memory is allocated.
     """
+    import vllm.envs as envs
+
     if not data:
         raise bad_request("image data is empty", param, "invalid_image")
     if len(data) > limits.max_image_bytes:
@@ -48,58 +57,21 @@ def decode_image(data: bytes, limits: MediaLimits, *, param: str | None = None) 
     w, h = img.size
     if w <= 0 or h <= 0:
         raise bad_request(f"image has invalid size {w}x{h}", param, "invalid_image")
-    if w * h > limits.max_image_pixels:
+    # vLLM's own limit (VLLM_MAX_IMAGE_PIXELS) too, so that either is a clear image_too_large.
+    vllm_max = envs.VLLM_MAX_IMAGE_PIXELS
+    max_pixels = min(limits.max_image_pixels, vllm_max) if vllm_max > 0 else limits.max_image_pixels
+    if w * h > max_pixels:
         raise bad_request(
-            f"image is {w}x{h} = {w * h} pixels; the limit is {limits.max_image_pixels} pixels",
+            f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels} pixels",
             param,
             "image_too_large",
         )
     try:
-        img.load()  # first frame only for animated images
-        img = _exif_transpose(img)
-        return to_rgb(img)
+        return image_io.load_bytes(data).media  # first frame only for animated images
     except Image.DecompressionBombError as e:
         raise bad_request(f"image is too large: {e}", param, "image_too_large") from None
-    except Exception as e:  # truncated files (OSError), corrupt streams, decoder errors
+    except Exception as e:  # truncated files, corrupt streams, decoder errors (vLLM: ValueError)
         raise bad_request(f"could not decode {fmt} image: {e}", param, "invalid_image") from None
-
-
-def _exif_transpose(img: Image.Image) -> Image.Image:
-    # Phone photos store rotation in EXIF; vLLM applies it too (normalize_image),
-    # so both pixel paths see the same orientation. A broken EXIF block is ignored.
-    try:
-        return ImageOps.exif_transpose(img)
-    except Exception:
-        return img
-
-
-def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
-    """Any Pillow mode -> RGB. Transparency is composited onto `background`
-    (white, as vLLM's default), not dropped, so transparent pixels do not turn
-    into whatever colour happens to sit under the alpha."""
-    mode = img.mode
-    # "transparency" in info: a tRNS colour key in P, L or even RGB PNGs.
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
-        rgba = img.convert("RGBA")
-        out = Image.new("RGB", rgba.size, background)
-        out.paste(rgba, mask=rgba.getchannel("A"))
-        return out
-    if mode.startswith("I;16") or mode == "I":
-        # Pillow clips 16/32-bit samples to 255 (a white image); scale instead.
-        i32 = img if mode == "I" else img.convert("I")
-        _, hi = i32.getextrema()
-        if mode != "I" or hi > 255:
-            scale = 255.0 / (65535 if hi <= 65535 else hi)
-            i32 = i32.point(lambda v: v * scale)
-        return i32.convert("L").convert("RGB")
-    if mode == "RGB":
-        return img
-    if mode == "F":
-        lo, hi = img.getextrema()
-        if hi > lo:
-            img = img.point(lambda v: (v - lo) * (255.0 / (hi - lo)))
-        return img.convert("L").convert("RGB")
-    return img.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
 
 
 def check_video(data: bytes, limits: MediaLimits, *, param: str | None = None) -> None:

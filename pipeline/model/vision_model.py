@@ -138,11 +138,15 @@ class VisionModel:
                  connector: bool = False):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.multimodal import MULTIMODAL_REGISTRY
+        from vllm.multimodal.media import ImageMediaIO
 
         self.checkpoint = checkpoint
         self.force_connector = connector
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
+        # vLLM's image loader as `vllm serve` builds it (RGB, its --media-io-kwargs), for images
+        # and video frames alike.
+        self.image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
         self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
         self.vllm_config = EngineArgs(
             model=checkpoint, dtype=checkpoint_dtype(checkpoint) if dtype == "auto" else dtype,
@@ -193,7 +197,7 @@ class VisionModel:
         """A video's sampled frames [T, H, W, 3] (uint8) and metadata, decoded by vLLM's video
         loader as `vllm serve` does for this model (its --media-io-kwargs, its backend for the
         model's video processor). Raises on bytes it cannot decode."""
-        from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+        from vllm.multimodal.media import VideoMediaIO
         from vllm.multimodal.video import get_video_loader_backend_for_processor
         from vllm.transformers_utils.processor import get_video_processor_cls_name
 
@@ -203,15 +207,12 @@ class VisionModel:
                 get_video_processor_cls_name(self.vllm_config.model_config))
             if backend:
                 video_kwargs["video_backend"] = backend
-        image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
-        return VideoMediaIO(image_io, **video_kwargs).load_bytes(data).media
+        return VideoMediaIO(self.image_io, **video_kwargs).load_bytes(data).media
 
     def load_image(self, data: bytes) -> Image.Image:
         """An image decoded by vLLM's image loader, as `vllm serve` decodes it (RGB, its
         --media-io-kwargs). Raises on bytes it cannot decode."""
-        from vllm.multimodal.media import ImageMediaIO
-
-        return ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {}))).load_bytes(data).media
+        return self.image_io.load_bytes(data).media
 
     # --- VisionEncoder ------------------------------------------------------------
     def load_encoder(self) -> None:
