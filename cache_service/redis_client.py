@@ -1,5 +1,6 @@
-"""The Redis client Iris's Redis users share (the cache's Redis tier, the tenant limits), and
-the backoff with which they try an unreachable Redis again.
+"""The Redis client Iris's Redis users share (the cache's Redis tier, the tenant limits; and,
+blocking, the start-up check and the EC connector in a vLLM engine), and the backoff with which
+they try an unreachable Redis again.
 
 Both users fall back to their own memory when Redis fails, so a client must fail fast: short
 timeouts, no sleeping retries inside redis-py, and Redis asked again only after a backoff.
@@ -41,6 +42,19 @@ def connect(config: CacheConfig, client_name: str, **pool) -> Redis | RedisClust
     # restarted server; timeouts are not retried, since a slow Redis should fail fast.
     return Redis.from_url(config.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                           **settings)
+
+
+def connect_blocking(config: CacheConfig, client_name: str):
+    """A blocking client of `config`'s Redis or Redis Cluster, for code outside an event loop
+    (a start-up check, vLLM's scheduler): the same timeouts, no retries."""
+    import redis
+    from redis.cluster import RedisCluster as BlockingCluster
+
+    settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
+                    client_name=client_name)
+    if config.redis_cluster:
+        return BlockingCluster.from_url(config.connect_url(), require_full_coverage=False, **settings)
+    return redis.Redis.from_url(config.connect_url(), **settings)
 
 
 class Backoff:

@@ -43,10 +43,10 @@ def _report_redis(config: IrisConfig) -> None:
     if url is None:
         logger.warning("Iris: no redis_url configured; the feature cache is per process (L1 only)")
         return
-    import redis
+    from cache_service.redis_client import REDIS_ERRORS, connect_blocking
 
     try:
-        redis.Redis.from_url(config.cache.connect_url(), socket_connect_timeout=1, socket_timeout=1).ping()
-    except (redis.RedisError, OSError, ValueError) as err:  # url logged unexpanded: no password in logs
+        connect_blocking(config.cache, "iris-start-up").ping()
+    except (*REDIS_ERRORS, ValueError) as err:  # url logged unexpanded: no password in logs
         logger.warning("Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
                        "reconnecting in the background", url, err)

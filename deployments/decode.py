@@ -6,7 +6,7 @@ this replica's L1 for the next request); others are read from the cache.
 image or clip it has seen before, whichever replica computed the features.
 For a modality vLLM takes no embeddings for, the engine gets the item itself (from
 the bytes the features carry) and Iris's EC connector in the engine takes the
-features from a staging folder this replica writes (pipeline/model/ec_connector.py).
+features from a staging folder this replica writes (pipeline/model/ec_staging.py).
 
 The engine prompt is built by deployments/engine_prompt.py, the engine's outputs become
 DecodeChunks in deployments/engine_output.py.

@@ -279,10 +279,8 @@ class _FeaturePlane:
     uuids this engine's clients send; "default" when Iris runs without API keys)."""
 
     def __init__(self, extra: dict):
-        import redis
-        from redis.cluster import RedisCluster
-
         from cache_service.config import CacheConfig
+        from cache_service.redis_client import connect_blocking
 
         fingerprint = extra.get("fingerprint")
         if not fingerprint:
@@ -291,20 +289,19 @@ class _FeaturePlane:
         self.fingerprint = fingerprint
         self.namespace = extra.get("namespace", DEFAULT_NAMESPACE)
         self.tenant = extra.get("tenant", DEFAULT_TENANT)
-        config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
-                             namespace=self.namespace)
         timeout = float(extra.get("redis_timeout_s", 1.0))
-        client = RedisCluster if config.redis_cluster else redis.Redis
-        self.client = client.from_url(config.connect_url(), socket_timeout=timeout, socket_connect_timeout=timeout)
+        config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
+                             namespace=self.namespace, redis_timeout_s=timeout, redis_connect_timeout_s=timeout)
+        self.client = connect_blocking(config, "iris-ec-connector")
         self.check = ValueCheck()  # the fingerprint stamped in the value must be the key's
 
     def get(self, uuid: str, modality: str) -> torch.Tensor | None:
-        import redis
+        from cache_service.redis_client import REDIS_ERRORS
 
         try:
             key = uuid_key(self.fingerprint, self.tenant, uuid, self.namespace, modality)
             data = self.client.get(key)
-        except (ValueError, redis.RedisError, OSError) as err:
+        except (ValueError, *REDIS_ERRORS) as err:
             logger.warning("%s: feature plane lookup of %r failed: %s", CONNECTOR_NAME, uuid, err)
             return None
         if data is None:
