@@ -273,8 +273,7 @@ def main(argv: list[str]) -> None:
         results.save(run, path)
         print(json.dumps(run["scaling"], indent=1))
         return
-    from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype, resolve_model
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))

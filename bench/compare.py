@@ -180,8 +180,7 @@ def main(argv: list[str]) -> None:
 def run_comparison(args, command: str) -> dict:
     from tqdm import tqdm
 
-    from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype, resolve_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     names = (args.systems.split(",") if args.systems else

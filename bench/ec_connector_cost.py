@@ -44,8 +44,9 @@ def jpeg(width: int, height: int) -> bytes:
 def measure(model: str, rounds: int, iters: int) -> dict:
     from cache_service import codec
     from pipeline.model.ec_staging import FeatureStaging, staged_name, values_of
+    from pipeline.model.embedding_form import CONNECTOR
     from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import CONNECTOR, VisionModel
+    from pipeline.model.vision_model import VisionModel
 
     vision = VisionModel(resolve_model(model), connector=True)
     vision.load_encoder()

@@ -151,7 +151,7 @@ async def measure(args) -> dict:
 
 
 def markdown(run: dict) -> str:
-    lines = [f"# Feature plane: one Redis and a 3-master Redis Cluster\n",
+    lines = ["# Feature plane: one Redis and a 3-master Redis Cluster\n",
              f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.\n",
              f"    {run['command']}\n",
              "Values per second through the feature cache (LLaVA-1.5-7B-sized bf16 features, "

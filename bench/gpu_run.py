@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
 
 
 def run_gpu(args, command: str) -> dict:
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     models = [m.strip().replace("-", "_") for m in args.models.split(",") if m.strip()]

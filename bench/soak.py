@@ -168,8 +168,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=str(results.RESULTS_DIR / "soak.json"))
     args = parser.parse_args(argv)
 
-    from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype, resolve_model
 
     record = results.provenance(results.command_line("soak", argv))
     checkpoint = resolve_model(args.model)

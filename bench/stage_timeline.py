@@ -128,8 +128,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
     args = parser.parse_args(argv)
 
-    from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype, resolve_model
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint), max_videos=int(args.video))

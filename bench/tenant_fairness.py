@@ -142,8 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import checkpoint_dtype
+    from pipeline.model.source import checkpoint_dtype, resolve_model
 
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint))

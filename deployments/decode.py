@@ -43,7 +43,7 @@ from pipeline.api.errors import IrisError, bad_request, model_changed
 from pipeline.api.tokenize import TokenizeJob
 from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
-from pipeline.model.vision_model import CONNECTOR
+from pipeline.model.embedding_form import CONNECTOR
 from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
 
 logger = logging.getLogger("ray.serve")

@@ -14,7 +14,8 @@ from typing import Any
 
 from pipeline.api.errors import bad_request, vllm_refusal
 from pipeline.api.sampling import max_tokens_of
-from pipeline.model.vision_model import CONNECTOR, VisionModel
+from pipeline.model.embedding_form import CONNECTOR
+from pipeline.model.vision_model import VisionModel
 from pipeline.stage_io import DecodeRequest
 from pipeline.tenancy.tenant import cache_salt
 

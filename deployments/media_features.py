@@ -40,7 +40,7 @@ from deployments.stage_trace import mark
 from pipeline.api.chat_request import ParsedChat
 from pipeline.api.errors import MODEL_CHANGED, IrisError, bad_request
 from pipeline.media.fetch import fetch_client, load_media_bytes
-from pipeline.model.vision_model import CONNECTOR
+from pipeline.model.embedding_form import CONNECTOR
 from pipeline.stage_io import EncodedMedia, MediaJob
 
 # Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see open_decode).

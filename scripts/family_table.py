@@ -56,8 +56,9 @@ def _builtin_architectures() -> dict[str, tuple[str, object, str]]:
     the built-in tiny checkpoints: their configs, and Iris's own start-up check on each."""
     sys.path.insert(0, str(ROOT))
     from pipeline.model.builtin import BUILDERS
+    from pipeline.model.embedding_form import CONNECTOR
     from pipeline.model.source import resolve_model
-    from pipeline.model.vision_model import CONNECTOR, VisionModel
+    from pipeline.model.vision_model import VisionModel
 
     found = {}
     for family, builtin in BUILDERS.items():

@@ -33,7 +33,7 @@ from bench.harness.systems import (
     SERVED_NAME as NAME,  # the served model name of both systems
 )
 from pipeline.model.builtin import APP_TESTED_FAMILIES, BUILDERS
-from pipeline.model.vision_model import CONNECTOR
+from pipeline.model.embedding_form import CONNECTOR
 from tests.support.apps import beside, reference_args, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.videos import clip_bytes

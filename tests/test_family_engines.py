@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from pipeline.model.builtin import BUILDERS, ENGINE_TESTED_FAMILIES
-from pipeline.model.vision_model import CONNECTOR
+from pipeline.model.embedding_form import CONNECTOR
 from tests.support.family_engine import CASES
 from tests.test_families import FEATURE_RTOL
 

@@ -10,13 +10,9 @@ import torch
 
 from cache_service.codec import Features
 from pipeline.model.builtin import FAMILIES
-from pipeline.model.vision_model import (
-    CONNECTOR,
-    EMBEDDINGS,
-    SOURCE,
-    VisionModel,
-    sample_image_bytes,
-)
+from pipeline.model.embedding_form import CONNECTOR, EMBEDDINGS, SOURCE
+from pipeline.model.samples import sample_image_bytes
+from pipeline.model.vision_model import VisionModel
 from tests.support.images import png_bytes
 from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings

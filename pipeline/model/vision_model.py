@@ -38,12 +38,14 @@ from PIL import Image
 
 from cache_service.codec import Features
 from cache_service.keys import content_hash
+from pipeline.api.errors import causes
+from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
 from pipeline.model.encoder_loading import load_encoder_only
+from pipeline.model.samples import sample_image_bytes, sample_video
+from pipeline.model.source import checkpoint_dtype
 
 FINGERPRINT_CHARS = 16
 MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
-SOURCE = "source"  # connector delivery: the item's bytes as uploaded (uint8), for the engine's processor
-EMBEDDINGS, CONNECTOR = "embeddings", "connector"  # how features reach the decoder (EmbeddingForm.delivery)
 
 # Metadata that some families' embedding inputs carry but vLLM's processor does not output
 # for pixels, by field name, from the image: MiniCPM-V sizes its slice grid from the
@@ -61,66 +63,6 @@ class PixelInputs:
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
     modality: str = "image"
     source: bytes | None = None  # the item's bytes, kept where the decoder needs them (connector delivery)
-
-
-@dataclass
-class EmbeddingForm:
-    """How vLLM takes one modality's precomputed features: its data parser's `embedding_fields`
-    (a dict of values + metadata tensors, e.g. Qwen's), or one tensor per item (LLaVA); or,
-    `delivery` "connector", not as embeddings at all: the engine gets the item and Iris's EC
-    connector fills its encoder cache with the values."""
-
-    values_field: str
-    metadata_fields: tuple[str, ...]
-    dict_input: bool
-    batched_values: bool = False  # dict input: one tensor per item rather than all rows in one
-    width: int | None = None  # of the values, known once the encoder was loaded here
-    metadata_kinds: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # name -> (dtype, ndim)
-    delivery: str = EMBEDDINGS  # or CONNECTOR; decided by VisionModel.load_encoder
-
-    def tensor_names(self) -> set[str]:
-        """What one item's features hold."""
-        if self.delivery == CONNECTOR:
-            return {self.values_field, SOURCE}
-        return {self.values_field, *self.metadata_fields}
-
-    @classmethod
-    def of(cls, parser_class, modality: str) -> "EmbeddingForm":
-        roles = parser_class.embedding_fields.get(modality, {})
-        values = [name for name, role in roles.items() if role == "values"]
-        return cls(values[0] if values else f"{modality}_embeds",
-                   tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
-
-
-def sample_image_bytes(width: int = 64, height: int = 64) -> bytes:
-    """A grey PNG: the image the encoder warms up with and the decoder checks its path with."""
-    import io
-
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
-    return out.getvalue()
-
-
-def sample_video(frames: int = 4, side: int = 64) -> tuple[np.ndarray, dict]:
-    """A grey clip as vLLM's video loader returns one: frames [T, H, W, 3] uint8 and their metadata."""
-    fps = 2.0
-    return np.full((frames, side, side, 3), 128, np.uint8), {
-        "total_num_frames": frames, "fps": fps, "duration": frames / fps, "video_backend": "opencv",
-        "frames_indices": list(range(frames)), "do_sample_frames": True}
-
-
-def checkpoint_dtype(checkpoint: str) -> str:
-    """The dtype a checkpoint was saved in (config.json), e.g. "bfloat16"; float32 if it says none."""
-    path = Path(checkpoint) / "config.json"
-    if path.is_file():
-        config = json.loads(path.read_text())
-    else:  # a hub id
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(checkpoint).to_dict()
-    text = config.get("text_config") or {}
-    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return str(name or "float32").removeprefix("torch.")
 
 
 class VisionModel:
@@ -183,10 +125,7 @@ class VisionModel:
                                  hf_processor_mm_kwargs=self.mm_processor_kwargs)
         except ValueError as err:
             # vLLM wraps the processor's reason in "Failed to apply <processor> on data=...": the reason.
-            cause: BaseException = err
-            while cause.__cause__ is not None or cause.__context__ is not None:
-                cause = cause.__cause__ or cause.__context__
-            raise ValueError(str(cause)) from err
+            raise ValueError(str(list(causes(err))[-1])) from err
         (item,) = out["mm_kwargs"][modality]
         (placeholder,) = out["mm_placeholders"][modality]
         metadata = {name: _METADATA_FROM_IMAGE[name](media) for name in self.forms[modality].metadata_fields
@@ -310,7 +249,9 @@ class VisionModel:
         if self._weights_digest is None:
             raise RuntimeError("load_encoder() before computing the fingerprint")
         root = Path(self.checkpoint)
-        settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs}
+        # The pixel decoder too: Iris's own decoder rescaled 16-bit images, vLLM's (now Iris's) clips them.
+        settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs,
+                    "image_decoder": "vllm.ImageMediaIO"}
         if self.media_io_kwargs:  # (absent, the fingerprints of image-only deployments stay as they were)
             settings["media_io_kwargs"] = self.media_io_kwargs
         parts = [json.dumps(settings, sort_keys=True).encode()]

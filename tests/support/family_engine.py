@@ -34,7 +34,8 @@ def main(checkpoint: str, dtype: str) -> dict:
 
     from pipeline.model.ec_connector import connector_counts, ec_transfer_config
     from pipeline.model.ec_staging import FeatureStaging
-    from pipeline.model.vision_model import CONNECTOR, VisionModel
+    from pipeline.model.embedding_form import CONNECTOR
+    from pipeline.model.vision_model import VisionModel
     from tests.support.images import REFERENCE_TEXT, png_bytes
 
     vision = VisionModel(checkpoint, dtype, max_items={"image": 2, "video": 0})
