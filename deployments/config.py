@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
-from pipeline.media.fetch import MediaLimits
+from pipeline.media.limits import MediaLimits
 from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig

@@ -5,7 +5,7 @@
 
 The root is `IrisConfig` (deployments/config.py, the application `args` of
 serve_config.yaml); every field whose type is itself a pydantic model (`cache`:
-`CacheConfig` in cache_service/config.py, `media`: `MediaLimits` in pipeline/media/fetch.py)
+`CacheConfig` in cache_service/config.py, `media`: `MediaLimits` in pipeline/media/limits.py)
 gets a table of its own, under its dotted name. One row per field: its name, its
 type with the bounds pydantic enforces, its default, and its description.
 

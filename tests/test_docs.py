@@ -36,7 +36,7 @@ def test_config_reference_is_current():
 def test_every_field_of_every_model_has_a_row():
     from cache_service.config import CacheConfig
     from deployments.config import IrisConfig
-    from pipeline.media.fetch import MediaLimits
+    from pipeline.media.limits import MediaLimits
 
     section = current_section()
     for prefix, model in (("", IrisConfig), ("cache.", CacheConfig), ("media.", MediaLimits)):
@@ -48,7 +48,7 @@ def test_a_field_added_to_a_model_makes_the_reference_stale():
     """What happens when an engineer adds a field and forgets the docs: the render differs."""
     from cache_service.config import CacheConfig
     from deployments.config import IrisConfig
-    from pipeline.media.fetch import MediaLimits
+    from pipeline.media.limits import MediaLimits
 
     top = create_model("IrisConfig", __base__=IrisConfig,
                        new_knob=(int, Field(7, ge=1, description="A knob added after the docs were made.")))
@@ -93,7 +93,7 @@ def test_every_field_is_described_in_its_model():
     one fails here, not as a row of "—"."""
     from cache_service.config import CacheConfig
     from deployments.config import IrisConfig
-    from pipeline.media.fetch import MediaLimits
+    from pipeline.media.limits import MediaLimits
 
     undescribed = [f"{model.__name__}.{name}" for model in (IrisConfig, CacheConfig, MediaLimits)
                    for name in model.model_fields if not gen_config_docs.description(model, name)]

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from pipeline.api.errors import IrisError
 from pipeline.media.address_policy import FetchPolicy, is_public
-from pipeline.media.fetch import MediaLimits, fetch_client, load_media_bytes
+from pipeline.media.fetch import fetch_client, load_media_bytes
+from pipeline.media.limits import MediaLimits
 from tests.support.http_server import QuietHandler, http_server
 
 

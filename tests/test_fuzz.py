@@ -24,7 +24,8 @@ from pipeline.api.body import parse_json_body
 from pipeline.api.chat_request import ParsedChat, parse_chat_request
 from pipeline.api.errors import IrisError
 from pipeline.media.decode import decode_image
-from pipeline.media.fetch import MediaLimits, load_media_bytes
+from pipeline.media.fetch import load_media_bytes
+from pipeline.media.limits import MediaLimits
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=True)  # reproducible in CI; new inputs come from editing strategies

@@ -566,7 +566,7 @@ def _k8s_expand(text: str, env: dict[str, str]) -> str:
 def _redis_cluster_problems(docs) -> list[str]:
     problems = []
     sts = _kind(docs, "StatefulSet")
-    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    spec = sts["spec"]
     container = _cluster_container(docs)
     args = _args(container)
     env = {e["name"]: e for e in container.get("env", [])}

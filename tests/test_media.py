@@ -16,7 +16,8 @@ from vllm.multimodal.media import ImageMediaIO
 
 from pipeline.api.errors import IrisError
 from pipeline.media.decode import decode_image
-from pipeline.media.fetch import MediaLimits, fetch_client, load_media_bytes
+from pipeline.media.fetch import fetch_client, load_media_bytes
+from pipeline.media.limits import MediaLimits
 from tests.support.http_server import QuietHandler, http_server
 from tests.support.images import format_corpus
 

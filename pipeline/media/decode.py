@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from PIL import Image
 
 from pipeline.api.errors import bad_request
-from pipeline.media.fetch import MediaLimits, too_large_bytes
+from pipeline.media.limits import MediaLimits, too_large_bytes
 
 if TYPE_CHECKING:
     from vllm.multimodal.media import ImageMediaIO
