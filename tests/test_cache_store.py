@@ -1,6 +1,7 @@
 """The FeatureStore seam (cache_service/store.py): FeatureCache and its single-flight need
 nothing of L2 beyond the protocol, shown with a store in this process's memory; make_store
-picks the backend; cache_service's modules import each other without a circle. No Redis."""
+picks the backend; cache_service's modules import each other without a circle. Redis only for
+the blocking reader."""
 
 from __future__ import annotations
 
@@ -126,3 +127,26 @@ def test_cache_service_imports_no_circle():
 
     for name in modules:
         visit(name, [])
+
+
+def test_blocking_reader_reads_values_and_misses_when_the_store_cannot_be_asked():
+    """The EC connector's reader (a vLLM engine has no event loop of Iris's): a value, a miss, and
+    a store that does not answer, which is a miss too, never an exception in vLLM's scheduler."""
+    import uuid
+
+    import redis
+
+    from cache_service.store_factory import blocking_reader
+
+    key = f"iris-test-blocking-reader:{uuid.uuid4().hex}"
+    direct = redis.Redis(host="127.0.0.1", port=6379)
+    direct.set(key, b"value", ex=60)
+    try:
+        read = blocking_reader(CacheConfig(redis_url="redis://127.0.0.1:6379"), "iris-test")
+        assert read(key) == b"value"
+        assert read(key + ":absent") is None
+    finally:
+        direct.delete(key)
+    nobody = blocking_reader(CacheConfig(redis_url="redis://127.0.0.1:1", redis_timeout_s=0.2,
+                                         redis_connect_timeout_s=0.2), "iris-test")
+    assert nobody(key) is None

@@ -272,7 +272,7 @@ class IrisECConnector(ECConnectorBase):
 
 
 class _FeaturePlane:
-    """Iris's Redis (or Redis Cluster) read by uuid, from an engine that is not Iris's.
+    """Iris's feature store (Redis or Redis Cluster) read by uuid, from an engine that is not Iris's.
 
     ec_connector_extra_config: redis_url (${NAME} expanded from the environment), redis_cluster,
     namespace, fingerprint (required: the VisionEncoder's, `GET /iris/stats`), tenant (whose
@@ -280,7 +280,7 @@ class _FeaturePlane:
 
     def __init__(self, extra: dict):
         from cache_service.config import CacheConfig
-        from cache_service.redis_client import connect_blocking
+        from cache_service.store_factory import blocking_reader
 
         fingerprint = extra.get("fingerprint")
         if not fingerprint:
@@ -292,18 +292,16 @@ class _FeaturePlane:
         timeout = float(extra.get("redis_timeout_s", 1.0))
         config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
                              namespace=self.namespace, redis_timeout_s=timeout, redis_connect_timeout_s=timeout)
-        self.client = connect_blocking(config, "iris-ec-connector")
+        self.read = blocking_reader(config, "iris-ec-connector")
         self.check = ValueCheck()  # the fingerprint stamped in the value must be the key's
 
     def get(self, uuid: str, modality: str) -> torch.Tensor | None:
-        from cache_service.redis_client import REDIS_ERRORS
-
         try:
             key = uuid_key(self.fingerprint, self.tenant, uuid, self.namespace, modality)
-            data = self.client.get(key)
-        except (ValueError, *REDIS_ERRORS) as err:
+        except ValueError as err:  # e.g. an over-long uuid
             logger.warning("%s: feature plane lookup of %r failed: %s", CONNECTOR_NAME, uuid, err)
             return None
+        data = self.read(key)
         if data is None:
             return None
         try:
