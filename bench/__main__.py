@@ -2,7 +2,8 @@
 
 `python -m bench <experiment> --help` lists an experiment's options. Each saves
 its results under bench/results/ with the commit, the command and the machine
-(bench/harness/results.py).
+(bench/harness/results.py). Stopped with SIGTERM or Ctrl-C, it first stops every
+system it started (bench/harness/processes.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench: no experiment {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(EXPERIMENTS[name][0])
-    return module.main(rest) or 0
+    from bench.harness.processes import stop_on_signals
+
+    # SIGTERM, Ctrl-C, SIGHUP: every system the experiment started is continued and stopped first.
+    with stop_on_signals():
+        return module.main(rest) or 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ not being measured (SIGSTOP, then SIGCONT): each idle Ray instance keeps ticking
 two cores three of them slowed every system's TTFT by a third to a half
 (bench/results/video/README.md).
 
+Before it starts anything it refuses a plan whose systems would not fit in memory
+(bench/harness/memory_plan.py; --ignore-memory-estimate); a system that loses a replica, an
+engine or its controller fails the point, saying what died (bench/harness/liveness.py).
+
 Writes bench/results/<name>.json (every summary, with the commit, the command and
 the machine), <name>.md (the tables) and <name>_*.png (plots); <name> is `compare`
 or `compare_quick`. Needs Redis at 127.0.0.1:6379 for Iris's feature cache.
@@ -39,7 +43,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.harness import cpu_usage, report, results, systems, vllm_bench
+from bench.harness import (
+    cpu_usage,
+    liveness,
+    memory_plan,
+    report,
+    results,
+    systems,
+    vllm_bench,
+)
 from bench.harness.client import LoadClient, warm_up
 from bench.harness.profiler import Profiler
 from bench.harness.rr_proxy import RoundRobinProxy
@@ -97,18 +109,21 @@ QUICK = [
 
 
 def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
-            tokenizer: str, profiler: Profiler | None = None, round_: int = 0) -> dict:
+            tokenizer: str, profiler: Profiler | None = None, round_: int = 0,
+            watch: liveness.Watch | None = None) -> dict:
     """One load point's results, with the CPU each request cost by process (bench/harness/cpu_usage.py),
     counted from the load's start to its end (not while counters settle). Each round has images of
-    its own (round 0 those of a run without rounds)."""
+    its own (round 0 those of a run without rounds). With `watch`, a system that loses a process
+    meanwhile ends the load: liveness.SystemBroken."""
     meter = cpu_usage.Meter(system.root_pids)
-    result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_)
+    result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_, watch)
     result["summary"]["cpu_ms_per_request"] = meter.per_request_ms(result["summary"].get("ok") or 0)
     return result
 
 
 def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFactory, args, image_chars: int,
-           tokenizer: str, profiler: Profiler | None, meter: cpu_usage.Meter, round_: int) -> dict:
+           tokenizer: str, profiler: Profiler | None, meter: cpu_usage.Meter, round_: int,
+           watch: liveness.Watch | None) -> dict:
     if point.workload == "random_mm":
         seed = args.seed + round_  # "-again" runs in the same round as the point it repeats
         if len(system.base_urls) == 1:
@@ -135,9 +150,10 @@ def _drive(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFac
     try:
         with meter:
             if point.concurrency:
-                records, duration = asyncio.run(client.closed_loop(workload, point.concurrency))
+                load = client.closed_loop(workload, point.concurrency)
             else:
-                records, duration = asyncio.run(client.open_loop(workload, point.rate, args.seed))
+                load = client.open_loop(workload, point.rate, args.seed)
+            records, duration = asyncio.run(liveness.guarded(load, watch))
     finally:
         profiles = [p.name for p in profiler.stop()] if profiling else []
     counters = system.counters().minus(before)
@@ -158,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "turns at every point, round after round; ratios as the median of the rounds' (see above)")
     parser.add_argument("--pause-idle", action="store_true", help="with --rounds: the systems not being measured "
                         "are stopped (SIGSTOP) meanwhile, so their idle ticks stay out of the measured one's figures")
+    parser.add_argument("--ignore-memory-estimate", action="store_true", help="start the systems even where "
+                        "their estimated memory (bench/harness/memory_plan.py) exceeds what is available")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every point's request count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small-px", type=int, default=256, help="side of the small images")
@@ -172,9 +190,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> None:
-    run = run_comparison(parse_args(argv), results.command_line("compare", argv))
+def main(argv: list[str]) -> int:
+    try:
+        run = run_comparison(parse_args(argv), results.command_line("compare", argv))
+    except memory_plan.DoesNotFit as refused:
+        print(refused, file=sys.stderr)
+        return 2
     print(report.markdown(run))
+    return 0
 
 
 def run_comparison(args, command: str) -> dict:
@@ -186,6 +209,8 @@ def run_comparison(args, command: str) -> dict:
     names = (args.systems.split(",") if args.systems else
              ["iris", "rayllm", "vllm"] if args.quick else [s for s in systems.SYSTEMS if not s.endswith("-haproxy")])
     replica_counts = [int(x) for x in (args.replicas or ("1" if args.quick else "1,2")).split(",")]
+    if unknown := sorted(set(names) - set(systems.SYSTEMS)):
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(systems.SYSTEMS)}")
     plan = VIDEO if args.video else QUICK if args.quick else FULL
     if args.points:
         wanted = set(args.points.split(","))
@@ -196,6 +221,11 @@ def run_comparison(args, command: str) -> dict:
     dtype = checkpoint_dtype(checkpoint)
     videos = any(p.workload.startswith("video_") for p in plan)
     engine = systems.EngineSettings(checkpoint, dtype, max_videos=1 if videos else 0, eager=args.eager)
+    # A router variant differs from its base system only when there are replicas to route between.
+    # Without rounds each system runs alone, its points one after another; with rounds, a replica
+    # count's systems run side by side.
+    groups = [[s for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)] for r in replica_counts]
+    memory = memory_plan.refuse_unless_fits(groups, replica_counts, engine, args.rounds, args.ignore_memory_estimate)
     factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
     image_chars = image_prompt_chars(checkpoint, args.small_px)
     out_dir = Path(args.out_dir)
@@ -205,13 +235,9 @@ def run_comparison(args, command: str) -> dict:
     run = {**results.provenance(command), "model": args.model, "checkpoint": checkpoint, "dtype": dtype,
            "seed": args.seed, "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
-           "rounds": args.rounds, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+           "rounds": args.rounds, "memory": memory, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
-    # A router variant differs from its base system only when there are replicas to route between.
-    # Without rounds each system runs alone, its points one after another; with rounds, a replica
-    # count's systems run side by side.
     t0 = time.monotonic()
-    groups = [[s for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)] for r in replica_counts]
     bar = tqdm(total=sum(len(g) for g in groups) * len(plan) * args.rounds, unit="point", dynamic_ncols=True)
     try:
         for replicas, group in zip(replica_counts, groups):
@@ -231,8 +257,12 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
                factory: WorkloadFactory, image_chars: int, checkpoint: str, log_dir: Path, profiler: Profiler | None,
                run: dict, bar) -> None:
     """Start `names` (all up together), then run the plan's points `args.rounds` times, each point on
-    every system in turn; stop them all. Results and starts go into `run`."""
+    every system in turn; stop them all. Results and starts go into `run`. A system that loses a
+    process (liveness.Watch: before, during and after each point) fails that point, is stopped, and
+    its later points are skipped, saying what died."""
     running: dict[str, systems.RunningSystem] = {}
+    watches: dict[str, liveness.Watch] = {}
+    broken: dict[str, str] = {}
     try:
         for system_name in names:
             bar.set_description(f"{system_name} x{replicas}: starting")
@@ -244,6 +274,7 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
             running[system_name] = system
             run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
                                   "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory)})
+            watches[system_name] = liveness.Watch(system)  # what it runs once it serves
         for round_ in range(args.rounds):
             order = names[round_ % len(names):] + names[:round_ % len(names)]
             for point in plan:
@@ -252,14 +283,23 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
                                         + (f", round {round_ + 1}/{args.rounds}" if args.rounds > 1 else ""))
                     entry = {"system": system_name, "replicas": replicas, "point": point.name, "round": round_}
                     if system_name not in running:
-                        run["results"].append({**entry, "skipped": "did not start (see starts)"})
+                        run["results"].append({**entry, "skipped": f"stopped, broken earlier: {broken[system_name]}"
+                                               if system_name in broken else "did not start (see starts)"})
                     else:
+                        watch = watches[system_name]
                         try:
-                            with _alone(running, system_name, args.pause_idle):
-                                result = measure(running[system_name], point, factory, args, image_chars,
-                                                 checkpoint, profiler, round_)
+                            if not watch.check():
+                                with _alone(running, system_name, args.pause_idle):
+                                    result = measure(running[system_name], point, factory, args, image_chars,
+                                                     checkpoint, profiler, round_, watch)
+                        except liveness.SystemBroken:
+                            pass  # watch.broken says what died
                         except Exception as err:
                             result = {"skipped": f"error: {err}"[-1000:]}
+                        if watch.check():  # broke before, during or after the point: no figures from it
+                            result = {"skipped": f"system broken, point failed: {watch.broken}", "broken": watch.broken}
+                            broken[system_name] = watch.broken
+                            running.pop(system_name).stop()  # frees its memory, ends its restart loop
                         run["results"].append({**entry, "workload": point.workload, "concurrency": point.concurrency,
                                                "rate": point.rate, "sweep": point.sweep, **result})
                     bar.update(1)

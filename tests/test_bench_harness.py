@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -819,3 +820,194 @@ def test_tenant_fairness_report_takes_the_median_of_per_round_ratios():
            "flood_clients": 8, "b_px": 256, "b_requests": 8}
     text = markdown(run)
     assert "**0.30** (0.25-0.75)" in text and "| under A's flood | 120 (100-300) | 400 (400-400) |" in text
+
+
+# ---- the harness survives its own load (issue 33): memory estimate, dying replicas, clean exit
+
+def _checkpoint(folder: Path) -> Path:
+    """A checkpoint folder as the estimate reads it: config.json and safetensors with a tower and a language model."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    save_file({"vision_tower.w": np.zeros(1000, np.float32), "language_model.w": np.zeros(3000, np.float32)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def test_memory_estimate_refuses_what_does_not_fit_before_starting_anything_and_accepts_what_does(tmp_path):
+    """Issue 33's plan (four Ray-based systems side by side) on its 23.5 GiB machine with 19 GiB
+    available is refused, naming each system's estimate, the memory there is and what to do; the
+    documented three-system run fits; one system at a time fits; on a GPU the KV cache and the
+    weights are not host memory. Through the CLI, a plan that cannot fit anywhere starts nothing."""
+    from dataclasses import replace
+
+    from bench.harness import memory_plan as mp
+    from bench.harness import systems
+
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    assert mp.weight_bytes(str(ckpt)) == (16000, 4000)
+    engine = systems.EngineSettings(str(ckpt), "float32")
+    four = [mp.estimate(s, 1, engine) for s in ("iris", "iris-haproxy", "rayllm", "rayllm-haproxy")]
+    three = [mp.estimate(s, 1, engine) for s in ("iris", "rayllm", "vllm")]
+    assert three[2].total == mp.API_SERVER + mp.ENGINE_CORE + mp.GiB + 16000  # KV cache: VLLM_CPU_KVCACHE_SPACE=1
+    iris = dict(four[0].parts)
+    assert iris["Ingress x2"] == iris["Preprocess x2"] == 2 * mp.SERVE_REPLICA  # at their max_replicas
+    assert iris["VisionEncoder weights x1"] == 4000 and iris["weights x1"] == 16000
+    assert four[1].total == four[0].total + mp.HAPROXY
+    assert mp.estimate("iris", 2, engine).total - four[0].total == mp.SERVE_REPLICA + mp.ENGINE_CORE + mp.GiB + 16000
+    machine = {"available": 19 * mp.GiB, "total": int(23.5 * mp.GiB)}
+    refused = mp.check([four], rounds=3, **machine)
+    assert refused.startswith("Not started") and "Available now: 19.0 GiB of 23.5 GiB" in refused
+    assert all(f"  {e.system} x1: {mp.gib(e.total)}" in refused for e in four), refused
+    assert "fewer --systems" in refused and "no --rounds" in refused and "--ignore-memory-estimate" in refused
+    assert mp.check([three], rounds=3, **machine) is None
+    assert mp.check([[e] for e in four], rounds=1, **machine) is None
+    assert mp.estimate("vllm", 1, replace(engine, gpu=True)).total == mp.API_SERVER + mp.ENGINE_CORE
+    assert mp.estimate("vllm", 1, replace(engine, checkpoint="no-such/model-here")).parts[-1][0].startswith(
+        "weights unknown")
+
+    out = tmp_path / "out"
+    refusal = subprocess.run([sys.executable, "-m", "bench", "compare", "--model", str(ckpt), "--systems", "iris,vllm",
+                              "--replicas", "64", "--rounds", "2", "--out-dir", str(out)],
+                             cwd=BENCH.parent, capture_output=True, text=True, timeout=300)
+    assert refusal.returncode == 2 and "Not started" in refusal.stderr and "iris x64" in refusal.stderr, refusal.stderr
+    assert not out.exists()  # refused before anything started or was written
+    record = mp.refuse_unless_fits([["vllm"]], [64], engine, 1, ignore=True)
+    assert record["fits"] is False and record["estimates"][0]["system"] == "vllm"
+
+
+_CHILD = """
+import sys, time
+from pathlib import Path
+from bench.harness import processes, systems
+from bench.harness.profiler import process_tree
+mode, folder = sys.argv[1], Path(sys.argv[2])
+# The system's leader notes SIGTERM (so it ran: it was continued first) and exits, leaving its sleep behind.
+proc = systems._spawn(["bash", "-c", f"trap 'echo TERM > {folder / 'marker'}; exit 0' TERM; sleep 300 & wait"],
+                      folder / "log")
+system = systems.RunningSystem("vllm", 1, [], [], [proc], [folder / "log"], 0.0)
+while len(process_tree([proc.pid])) < 2:
+    time.sleep(0.05)
+system.pause()
+with processes.stop_on_signals():
+    print(" ".join(map(str, process_tree([proc.pid]))), flush=True)
+    if mode == "exception":
+        raise RuntimeError("the harness failed")
+    if mode != "exit":
+        time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "exit", "exception"])
+def test_the_harness_resumes_then_stops_every_system_it_started_however_it_ends(tmp_path, how):
+    """A harness process starts a system (a process session), pauses it (SIGSTOP, as --pause-idle),
+    and is then stopped with SIGTERM or Ctrl-C, or ends normally or with an exception: the system
+    is continued first (its leader runs its SIGTERM trap) and then ended, its whole session with it."""
+    from bench.harness.liveness import _running
+
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    child = subprocess.Popen([sys.executable, str(script), how, str(tmp_path)], cwd=BENCH.parent,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in child.stdout.readline().split()]
+        assert len(pids) == 2, child.stderr.read()
+        if how.startswith("SIG"):
+            assert {Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] for pid in pids} == {"T"}
+            child.send_signal(getattr(signal, how))
+        _, err = child.communicate(timeout=90)
+    finally:
+        child.kill()
+    assert child.returncode == {"SIGTERM": 143, "SIGINT": -signal.SIGINT, "exit": 0, "exception": 1}[how], err
+    if how.startswith("SIG"):
+        assert f"bench: {how}: continuing and stopping the 1 system process session(s)" in err
+    assert (tmp_path / "marker").read_text().strip() == "TERM"  # SIGCONT before SIGTERM: its trap ran
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if _running(pid)]
+        time.sleep(0.05)
+
+
+_FAKE_IRIS = """
+(exec -a ray::ServeReplica:iris:LLMDecode sleep 300) &
+(exec -a ray::ServeReplica:iris:Ingress sleep 300) &
+(exec -a VLLM::EngineCore sleep 300) &
+while true; do (exec -a ray::ServeController sleep 300); done &
+wait
+"""
+
+
+def test_a_dying_replica_engine_controller_or_runner_breaks_the_system_with_a_clear_message(tmp_path):
+    """Real processes named as Ray and vLLM name theirs, under a runner: the watch names what died
+    (a fixed deployment's replica, the engine core, the Serve controller, an autoscaled deployment
+    below its minimum, the runner itself), stays broken, ends a load in progress within its
+    interval, and leaves a paused system alone."""
+    import asyncio
+    import threading
+
+    from bench.harness import liveness, systems
+    from bench.harness.profiler import process_tree
+
+    root = subprocess.Popen(["bash", "-c", _FAKE_IRIS], start_new_session=True, stderr=subprocess.DEVNULL)
+    config = systems.iris_config(systems.EngineSettings("ckpt", "float32"), 1, 0, cache=True, namespace="x")
+    system = systems.RunningSystem("iris", 1, [], [], [root], [tmp_path / "iris-1.log"], 0.0, meta={"config": config})
+
+    def pid_of(name: str) -> int:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            found = [pid for pid, cmd in process_tree([root.pid]).items() if cmd.startswith(name + " ")]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no {name}")
+
+    def gone(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        while liveness._running(pid):
+            time.sleep(0.01)
+
+    try:
+        names = ["ray::ServeReplica:iris:LLMDecode", "ray::ServeReplica:iris:Ingress", "VLLM::EngineCore",
+                 "ray::ServeController"]
+        pids = {name: pid_of(name) for name in names}
+        watch = liveness.Watch(system)
+        assert sorted(kind for kind, _ in watch.baseline.values()) == ["controller", "engine", "replica", "replica"]
+        assert watch.check() is None
+        system.pause()
+        assert watch.check() is None  # stopped is not dead
+        system.resume()
+
+        gone(pids["ray::ServeReplica:iris:LLMDecode"])
+        problem = watch.alive()
+        assert problem.startswith(f"iris: replica iris:LLMDecode (pid {pids[names[0]]}) died") and "iris-1.log" in problem
+        assert watch.check() == problem  # broken stays broken
+
+        watch = liveness.Watch(system)
+        threading.Timer(0.3, gone, (pids["VLLM::EngineCore"],)).start()
+        started = time.monotonic()
+        with pytest.raises(liveness.SystemBroken, match=r"iris: VLLM::EngineCore \(a vLLM engine\) \(pid \d+\) died"):
+            asyncio.run(liveness.guarded(asyncio.sleep(60), watch, interval_s=0.1))
+        assert time.monotonic() - started < 5
+
+        watch = liveness.Watch(system)
+        gone(pids["ray::ServeController"])
+        assert f"the Serve controller (pid {pids['ray::ServeController']}) died" in watch.check()
+        assert pid_of("ray::ServeController") != pids["ray::ServeController"]  # restarted, as Ray would
+
+        watch = liveness.Watch(system)
+        gone(pids["ray::ServeReplica:iris:Ingress"])
+        assert watch.alive() is None  # Ingress autoscales: one replica more or less is no death...
+        assert "Ingress has 0 live replicas, fewer than its minimum 1" in watch.check()  # ...none at all is
+
+        watch = liveness.Watch(system)
+        os.killpg(root.pid, signal.SIGKILL)
+        root.wait()
+        assert f"iris: iris-1.log (pid {root.pid}) exited with -9" in watch.alive()
+    finally:
+        try:
+            os.killpg(root.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        root.wait()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -40,8 +39,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.harness import processes
 from bench.harness.metrics import Counters, scrape
-from bench.harness.profiler import process_tree
 from bench.harness.results import ROOT
 from deployments.cpu_binding import omp_threads_bind
 
@@ -116,26 +115,17 @@ class RunningSystem:
         """SIGSTOP every process of the system while another one is measured: an idle Ray cluster
         still ticks (GCS, raylet, controller, health checks, metrics pushes), and on two cores those
         ticks land in the measured system's latencies. `resume` continues them."""
-        self._paused = list(process_tree(self.root_pids))
-        for pid in self._paused:
-            _signal(pid, signal.SIGSTOP)
+        self._paused = processes.pause(self.root_pids)
 
     def resume(self) -> None:
-        for pid in self._paused:
-            _signal(pid, signal.SIGCONT)
+        processes.resume(self._paused)
         self._paused = []
 
-    def stop(self) -> None:
-        self.resume()
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the runner's Ray and vLLM processes share its session
-                proc.wait(30)
+    def stop(self, grace_s: float = processes.STOP_GRACE_S) -> None:
+        """Continue (if paused) and end every process of the system, its whole session swept
+        (processes.terminate); then its Redis keys go."""
+        self._paused = []
+        processes.terminate(self.procs, grace_s)
         if self.namespace:
             import redis
 
@@ -270,9 +260,10 @@ def _tail(log: Path, lines: int = 40) -> str:
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:
-        # A session of its own, so a stuck system can be killed with everything it started.
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        # A session of its own, so a stuck system can be killed with everything it started; registered
+        # at once, so SIGTERM or Ctrl-C during a start stops it too (bench/harness/processes.py).
+        return processes.register(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                   start_new_session=True))
 
 
 def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
@@ -313,13 +304,6 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
     return system.wait_ready([None], started, timeout_s)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:  # exited meanwhile
-        pass
 
 
 def haproxy_env(state_dir: Path) -> dict[str, str]:
