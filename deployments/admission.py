@@ -24,8 +24,9 @@ from pipeline.tenancy.limits import TenantLimiter, Ticket
 from pipeline.tenancy.tenant import bearer_token, tenant_of
 
 
-def caller(request: Request) -> str:
-    """FastAPI dependency: the request's tenant (401 IrisError without a configured key)."""
+async def caller(request: Request) -> str:
+    """FastAPI dependency: the request's tenant (401 IrisError without a configured key). Async,
+    so FastAPI runs it on the event loop: a plain function would cost a threadpool hop per request."""
     return request.app.state.admission.tenant(request)
 
 
