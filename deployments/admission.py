@@ -27,7 +27,7 @@ from pipeline.tenancy.tenant import bearer_token, tenant_of
 async def caller(request: Request) -> str:
     """FastAPI dependency: the request's tenant (401 IrisError without a configured key). Async,
     so FastAPI runs it on the event loop: a plain function would cost a threadpool hop per request."""
-    return request.app.state.admission.tenant(request)
+    return request.app.state.ingress.admission.tenant(request)
 
 
 class Admission:

@@ -171,7 +171,7 @@ class LLMDecode:
         staged: list[str] = []
         try:
             try:
-                prompt, params, _ = await self.prompts.build(request, features, staged)
+                prompt, params = await self.prompts.build(request, features, staged)
             except IrisError as err:
                 yield DecodeChunk(error=err)
                 return

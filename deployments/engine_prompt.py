@@ -45,8 +45,8 @@ class EnginePromptBuilder:
                 continue_final_message=continue_final_message, tokenize=False)
         return self.processor.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    async def build(self, request: DecodeRequest, features: list, staged: list[str]) -> tuple[dict, Any, int]:
-        """(engine prompt, SamplingParams, prompt tokens); IrisError 400 for a request the engine must
+    async def build(self, request: DecodeRequest, features: list, staged: list[str]) -> tuple[dict, Any]:
+        """(engine prompt, SamplingParams); IrisError 400 for a request the engine must
         not see. Keys of features staged for the connector are appended to `staged`."""
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
         from vllm.exceptions import VLLMClientError
@@ -74,7 +74,7 @@ class EnginePromptBuilder:
         prompt: dict = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(request.tenant)}
         keys = request.media_keys
         prompt.update(await self.media_input(keys, features, request.modalities or ["image"] * len(keys), staged))
-        return prompt, params, n_prompt
+        return prompt, params
 
     async def media_input(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
         """The engine prompt's `multi_modal_data` and `multi_modal_uuids` (the cache keys)."""

@@ -66,7 +66,7 @@ class Ingress:
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
         # What the module-level dependency and error handler reach (one Ingress per replica process).
-        app.state.admission, app.state.ingress = self.admission, self
+        app.state.ingress = self
         # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
                                + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3 + (1 << 20)
@@ -167,8 +167,8 @@ class Ingress:
             if not stream.first.missing_keys:
                 return stream
             stream.cancel()
-            if attempt == 0:  # (within the request's deadline, like all its work)
-                await self.features.recompute(media, stream.first.missing_keys)
+            # 409 for an upload-free item; computed again once (within the request's deadline).
+            await self.features.recompute(media, stream.first.missing_keys, encode=attempt == 0)
         raise IrisError("image features could not be delivered to the decoder", status_code=503,
                         code="features_unavailable")
 

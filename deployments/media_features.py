@@ -43,7 +43,7 @@ from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.model.embedding_form import CONNECTOR
 from pipeline.stage_io import EncodedMedia, MediaJob
 
-# Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see open_decode).
+# Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see recompute).
 KNOWN_KEYS = 100_000
 # Items at least this large are hashed in a thread; below, the thread hop costs more than the hash.
 HASH_IN_THREAD_BYTES = 256 * 1024
@@ -135,15 +135,18 @@ class MediaFeatures:
         self.metrics.media(media.cached, media.computed)
         return media
 
-    async def recompute(self, media: RequestMedia, gone: list[str]) -> None:
-        """Compute again the features of `gone` keys, which vanished from the cache since they were
-        looked up (evicted, or this replica's memory was stale); 409 for items sent by uuid only."""
+    async def recompute(self, media: RequestMedia, gone: list[str], encode: bool = True) -> None:
+        """Forget `gone` keys, which vanished from the cache since they were looked up (evicted, or
+        this replica's memory was stale), and compute their features again (`encode`); 409 for
+        items sent by uuid only."""
+        gone = set(gone)
         for key in gone:
             self._known.pop(key, None)
         upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas)) if key in gone and data is None]
         if upload_free:
             raise cache_miss(upload_free, [media.names[i] for i in upload_free])
-        await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
+        if encode:
+            await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
 
     def forget_model(self) -> None:
         """A stage said the model changed: later requests key their items for the new weights."""
