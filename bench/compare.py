@@ -11,6 +11,13 @@ Iris / peer are computed within the run.
     python -m bench compare --systems iris,vllm --replicas 1 --points unique-c1,zipf-c4
     python -m bench compare --quick --profile after --name profile_run   # py-spy every process
     python -m bench compare --rounds 3 --systems iris,rayllm,vllm --replicas 1 --points text-c1,repeat-c1
+    python -m bench compare --quick --gpu-node-mode 1   # core 0 plays the GPU, the others the host
+
+Each point also counts the host's work per request (bench/harness/host_work.py): CPU ms per request
+and per output token by process role, and for Ray-based systems the Ray calls by method and by
+role, object-store puts and streamed items. --gpu-node-mode MODEL_CORES puts every system's model
+work (vLLM's engine processes, Iris's VisionEncoder) on the first MODEL_CORES cores and everything
+else on the rest (bench/harness/affinity.py), so that the model cores play the GPU and the rest the host.
 
 With --rounds N (2 or more) the systems stay up side by side, each Ray-based one in a
 Ray instance of its own, and take turns: every point runs on each system in turn
@@ -44,7 +51,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.harness import (
+    affinity,
     cpu_usage,
+    host_work,
     liveness,
     memory_plan,
     report,
@@ -112,12 +121,27 @@ def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFa
             tokenizer: str, profiler: Profiler | None = None, round_: int = 0,
             watch: liveness.Watch | None = None) -> dict:
     """One load point's results, with the CPU each request cost by process (bench/harness/cpu_usage.py),
-    counted from the load's start to its end (not while counters settle). Each round has images of
-    its own (round 0 those of a run without rounds). With `watch`, a system that loses a process
-    meanwhile ends the load: liveness.SystemBroken."""
+    counted from the load's start to its end (not while counters settle), per request and per output
+    token, and the host's work per request in a Ray-based system (bench/harness/host_work.py: Ray
+    calls, object-store puts, streamed items), counted from before the point to after it, once Ray's
+    counters settle. Each round has images of its own (round 0 those of a run without rounds). With
+    `watch`, a system that loses a process meanwhile ends the load: liveness.SystemBroken. In GPU-node
+    mode (args.cores) every thread is put on its cores first (bench/harness/affinity.py)."""
+    cores = getattr(args, "cores", None)
+    placed = affinity.apply(system.root_pids, *cores) if cores else None
+    snapshot = (host_work.Snapshot(system.root_pids, system.metrics_urls, getattr(args, "ray_event_stats_s", 0.0))
+                if system.name != "vllm" else None)
+    before = snapshot.take() if snapshot else None
     meter = cpu_usage.Meter(system.root_pids)
     result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_, watch)
-    result["summary"]["cpu_ms_per_request"] = meter.per_request_ms(result["summary"].get("ok") or 0)
+    summary = result["summary"]
+    ok = summary.get("ok") or 0
+    summary["cpu_ms_per_request"] = meter.per_request_ms(ok)
+    summary["cpu_ms_per_output_token"] = cpu_usage.per_output_token(summary["cpu_ms_per_request"], ok,
+                                                                     summary.get("output_tokens"))
+    summary["host_work"] = host_work.diff(before, snapshot.take(), ok) if snapshot else dict(host_work.NO_RAY)
+    if placed is not None:
+        result["affinity"] = placed
     return result
 
 
@@ -185,6 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--eager", action="store_true", help="engines without torch.compile: quicker to start, "
                         "slower to decode (smoke tests; not for figures)")
+    parser.add_argument("--gpu-node-mode", type=int, default=0, metavar="MODEL_CORES", help="the first "
+                        "MODEL_CORES cores play the GPU: every system's model work (vLLM's engine processes, "
+                        "Iris's VisionEncoder) runs there, everything else (and this harness) on the other cores "
+                        "(bench/harness/affinity.py; docs/benchmarks.md). Default 0: off")
+    parser.add_argument("--ray-event-stats-s", type=float, default=2.0, help="Ray-based systems: each Ray "
+                        "process dumps its event stats (handler counts: calls, streamed items, pins by role; "
+                        "bench/harness/host_work.py) to its log this often; 0: Ray's default, and no counts by role")
     parser.add_argument("--profile", metavar="TAG", help=f"py-spy every serving process during {PROFILED_POINTS}; "
                         "summaries in --out-dir as profile_TAG_*.txt (sampling costs CPU: not for reported runs)")
     return parser.parse_args(argv)
@@ -221,6 +252,14 @@ def run_comparison(args, command: str) -> dict:
     dtype = checkpoint_dtype(checkpoint)
     videos = any(p.workload.startswith("video_") for p in plan)
     engine = systems.EngineSettings(checkpoint, dtype, max_videos=1 if videos else 0, eager=args.eager)
+    gpu_node = None
+    args.cores = None
+    if args.gpu_node_mode:
+        model, host = affinity.split_cores(args.gpu_node_mode, sorted(os.sched_getaffinity(0)))
+        args.cores = (model, host)
+        engine = replace(engine, omp_bind=affinity.omp_bind(model))
+        affinity.pin_self(host)  # the harness and its load clients (their children) are host work too
+        gpu_node = {"model_cores": model, "host_cores": host, "omp_threads_bind": engine.omp_bind}
     # A router variant differs from its base system only when there are replicas to route between.
     # Without rounds each system runs alone, its points one after another; with rounds, a replica
     # count's systems run side by side.
@@ -235,7 +274,8 @@ def run_comparison(args, command: str) -> dict:
     run = {**results.provenance(command), "model": args.model, "checkpoint": checkpoint, "dtype": dtype,
            "seed": args.seed, "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
-           "rounds": args.rounds, "memory": memory, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+           "rounds": args.rounds, "memory": memory, "gpu_node_mode": gpu_node,
+           "ray_event_stats_s": args.ray_event_stats_s, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
     profiler = Profiler(out_dir, args.profile) if args.profile else None
     t0 = time.monotonic()
     bar = tqdm(total=sum(len(g) for g in groups) * len(plan) * args.rounds, unit="point", dynamic_ncols=True)
@@ -267,13 +307,17 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
         for system_name in names:
             bar.set_description(f"{system_name} x{replicas}: starting")
             try:
-                system = systems.start(system_name, replicas, engine, log_dir)
+                system = systems.start(system_name, replicas, engine, log_dir,
+                                       ray_event_stats_s=getattr(args, "ray_event_stats_s", 0.0))
             except Exception as err:  # one system that cannot start does not stop the others
                 run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})
                 continue
             running[system_name] = system
+            placed = affinity.apply(system.root_pids, *args.cores) if getattr(args, "cores", None) else None
             run["starts"].append({"system": system_name, "replicas": replicas, "start_s": system.start_s,
-                                  "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory)})
+                                  "warm_up": warm_up(LoadClient(system.base_urls, systems.SERVED_NAME), factory),
+                                  **({"affinity": {**placed, "placement": affinity.placement(system.root_pids)}}
+                                     if placed is not None else {})})
             watches[system_name] = liveness.Watch(system)  # what it runs once it serves
         for round_ in range(args.rounds):
             order = names[round_ % len(names):] + names[:round_ % len(names)]

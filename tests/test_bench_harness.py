@@ -455,6 +455,186 @@ def test_cpu_meter_counts_a_process_tree_by_role():
         burner.kill()
 
 
+
+_DUMP = """[2026-12-04 03:02:37,294 I 11141 11171] core_worker.cc:591: Event stats:
+
+
+Global stats: 6 total (4 active)
+Event stats:
+	CoreWorkerService.grpc_server.ReportGeneratorItemReturns - {items} total (0 active), Execution time: mean = 0.24ms, total = 84.00ms, Queueing time: mean = 0.01ms
+	CoreWorkerService.grpc_client.PushTask - {calls} total (0 active), Execution time: mean = 4.02ms, total = 249.32ms, Queueing time: mean = 0.01ms
+	NodeManagerService.grpc_client.PinObjectIDs - 3 total (0 active), Execution time: mean = 0.43ms, total = 4.72ms, Queueing time: mean = 0.01ms
+	CoreWorker.PrintEventStats - 40 total (1 active, 1 running), Execution time: mean = 0.19ms, total = {dump}ms, Queueing time: mean = 0.01ms
+-----------------
+Task Event stats:
+Other Stats:
+	gcs_grpc_in_progress:0
+
+"""
+
+
+def test_a_core_workers_last_complete_event_stats_dump_is_read():
+    from bench.harness.host_work import (
+        ITEMS_RECEIVED,
+        PINS,
+        SENT_CALLS,
+        parse_event_stats,
+    )
+
+    first = _DUMP.format(items=10, calls=4, dump="7.50")
+    second = _DUMP.format(items=17, calls=6, dump="8.00").replace("03:02:37,294", "03:02:39,294")
+    when, counts, dump_ms = parse_event_stats("noise\n" + first + "[2026-12-04 03:02:38,000 I 1 1] x.cc:1: y\n" + second)
+    assert counts[ITEMS_RECEIVED] == 17 and counts[SENT_CALLS] == 6 and counts[PINS] == 3 and dump_ms == 8.0
+    assert when - parse_event_stats(first)[0] == pytest.approx(2.0)
+    # A dump still being written (no "Other Stats:" yet) is skipped for the one before it.
+    assert parse_event_stats(first + second.split("Task Event stats")[0])[1][ITEMS_RECEIVED] == 10
+    assert parse_event_stats("no dump here") == (None, {}, 0.0)
+
+
+def test_ray_task_and_object_store_counters_are_read_from_prometheus_text():
+    from bench.harness.host_work import ray_counts, short_method
+
+    text = "\n".join([
+        '# HELP ray_tasks Current number of tasks',
+        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FINISHED"} 5',
+        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FAILED"} 1',
+        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="RUNNING"} 2',
+        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="executor",State="FINISHED"} 9',
+        'ray_object_store_dist_count{Source="CreatedByWorker"} 4',
+        'ray_object_store_dist_count{Source="RestoredFromSpill"} 2',
+    ])
+    assert ray_counts(text) == {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 6.0},
+                                "object_store_creates": 4.0}
+    assert short_method("ServeReplica:iris:Ingress.handle_request_streaming") == "Ingress.handle_request_streaming"
+    assert short_method("Outer.call") == "Outer.call"
+    assert short_method("ServeReplica:rayllm:LLMServer:bench.handle_request") == "LLMServer:bench.handle_request"
+
+
+def test_host_work_is_the_difference_per_request_by_method_and_role():
+    from bench.harness import host_work as hw
+
+    def worker(role, sent=0, items=0, pins=0, dump=0.0, **extra):
+        return {"role": role, "t": 0.0, "dump_ms": dump, **extra,
+                "counts": {hw.SENT_CALLS: sent, hw.ITEMS_RECEIVED: items, hw.PINS: pins}}
+
+    before = {"metrics": {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 2.0,
+                                    "ServeController.listen_for_change": 10.0}, "object_store_creates": 1.0},
+              "workers": {1: worker("ProxyActor", sent=2, items=20, dump=5.0), 2: worker("Ingress", sent=4)}}
+    after = {"metrics": {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 6.0,
+                                   "ServeReplica:iris:LLMDecode.handle_request_streaming": 4.0,
+                                   "ProxyActor.receive_asgi_messages": 8.0,
+                                   "ServeController.listen_for_change": 12.0}, "object_store_creates": 3.0},
+             "workers": {1: worker("ProxyActor", sent=6, items=60, dump=9.0),
+                         2: worker("Ingress", sent=12, items=36, pins=2, stale=True),
+                         3: worker("Ingress", sent=1)}}  # started in between: counts from zero
+    work = hw.diff(before, after, 4)
+    assert work["ray_calls_per_request"] == {"total": 4.0, "ProxyActor.receive_asgi_messages": 2.0,
+                                             "Ingress.handle_request_streaming": 1.0,
+                                             "LLMDecode.handle_request_streaming": 1.0}
+    assert work["other_ray_calls_per_request"] == 0.5
+    assert work["other_ray_calls_by_method"] == {"total": 0.5, "ServeController.listen_for_change": 0.5}
+    assert work["calls_sent_by_role"] == {"total": 3.25, "Ingress": 2.25, "ProxyActor": 1.0}
+    assert work["streamed_items_received_by_role"] == {"total": 19.0, "ProxyActor": 10.0, "Ingress": 9.0}
+    assert work["object_store_puts_per_request"] == 0.5 and work["object_pins_by_role"] == {"total": 0.5, "Ingress": 0.5}
+    assert work["event_stats_dump_ms_per_request"] == 1.0 and work["stale_roles"] == ["Ingress"]
+    assert hw.diff(before, after, 0) == {}
+    # Without event stats (--ray-event-stats-s 0) only the metrics' counts remain.
+    bare = hw.diff({**before, "workers": {}}, {**after, "workers": {}}, 4)
+    assert bare["calls_sent_by_role"] is None and bare["ray_calls_per_request"]["total"] == 4.0
+
+
+def test_cpu_per_output_token_and_the_host_work_table():
+    from bench.harness import cpu_usage, host_work, report
+
+    per_request = {"total": 100.0, "VLLM::Worker": 60.0, "Ingress": 30.0, "VisionEncoder": 10.0}
+    assert cpu_usage.per_output_token(per_request, 4, 64) == {"total": 6.25, "VLLM::Worker": 3.75,
+                                                             "Ingress": 1.88, "VisionEncoder": 0.62}
+    assert cpu_usage.per_output_token(per_request, 4, None) == {} == cpu_usage.per_output_token(per_request, 0, 5)
+    assert report.host_cpu(per_request) == 30.0
+
+    def result(system, work):
+        return {"system": system, "replicas": 1, "point": "text-c1", "summary": {
+            "requests": 4, "ok": 4, "failed": 0, "req_per_s": 1.0, "output_tokens": 64,
+            "ttft_ms": {"p50": 10, "p90": 20}, "latency_ms": {"p50": 30, "p90": 40}, "tpot_ms": {"p50": 1},
+            "cpu_ms_per_request": per_request, "cpu_ms_per_output_token": {"total": 6.25}, "host_work": work}}
+
+    iris = {"ray_calls_per_request": {"total": 2.0, "Ingress.handle_request_streaming": 1.0,
+                                      "LLMDecode.handle_request_streaming": 1.0},
+            "other_ray_calls_per_request": 0.5, "calls_sent_by_role": {"total": 2.0, "ProxyActor": 1.0, "Ingress": 1.0},
+            "streamed_items_received_by_role": {"total": 34.0, "ProxyActor": 17.0, "Ingress": 17.0},
+            "object_store_puts_per_request": 0.0, "object_pins_by_role": {"total": 0.0},
+            "event_stats_dump_ms_per_request": 0.4}
+    run = {"model": "m", "machine": {"description": "test box", "cpus": 2}, "commit": "abc", "started": "now",
+           "duration_s": 60, "command": "python -m bench compare", "systems": ["iris", "vllm"], "ratios": [],
+           "gpu_node_mode": {"model_cores": [0], "host_cores": [1], "omp_threads_bind": "0"},
+           "results": [result("iris", iris), result("vllm", dict(host_work.NO_RAY))]}
+    text = report.markdown(run)
+    assert "GPU-node mode: cores [0] play the GPU" in text and "VLLM_CPU_OMP_THREADS_BIND=0" in text
+    assert "| iris | 1 | text-c1 | 100 | 6.25 | 30 | 1.88 |" in text
+    assert ("| iris | 1 | text-c1 | 2.00: Ingress.handle_request_streaming 1.00, LLMDecode.handle_request_streaming "
+            "1.00 | 2.00: ProxyActor 1.00, Ingress 1.00 | 34.00: ProxyActor 17.00, Ingress 17.00 | 0.00 (0.00) | "
+            "0.50 | 0.40 |") in text
+    assert "| vllm | 1 | text-c1 | 0 (n/a: no Ray) |" in text
+    assert "GPU-node mode: off" in report.markdown({**run, "gpu_node_mode": None})
+
+
+def test_gpu_node_mode_splits_the_cores_and_plans_every_thread():
+    from bench.harness import affinity
+
+    assert affinity.split_cores(1, [1, 0]) == ([0], [1])
+    assert affinity.split_cores(2, [0, 1, 2, 3]) == ([0, 1], [2, 3]) and affinity.omp_bind([1, 0]) == "0,1"
+    for bad in (0, 2):
+        with pytest.raises(ValueError):
+            affinity.split_cores(bad, [0, 1])
+    model, host = {0, 1}, {2, 3}
+    assert affinity.is_model("VLLM::EngineCore") and affinity.is_model("ray::ServeReplica:iris:VisionEncoder")
+    assert not affinity.is_model("ray::ServeReplica:iris:LLMDecode") and not affinity.is_model("ray::ProxyActor")
+    assert affinity.target("VLLM::Worker", {0, 1, 2, 3}, model, host) == model
+    assert affinity.target("VLLM::Worker", {1}, model, host) is None  # an OpenMP thread vLLM bound itself
+    assert affinity.target("ray::ServeReplica:iris:Ingress", {0, 1, 2, 3}, model, host) == host
+    assert affinity.target("ray::ServeReplica:iris:Ingress", {2, 3}, model, host) is None
+    # This process's real threads, as if it were a vLLM worker, then a host process.
+    me = os.getpid()
+    tids = affinity.threads(me)
+    assert me in tids
+    everywhere = affinity.plan({me: "VLLM::Worker"}, [0, 1], [2, 3], affinity=lambda _tid: {0, 1, 2, 3})
+    assert set(everywhere) == set(tids) and all(v == model for v in everywhere.values())
+    assert affinity.plan({me: "ray::ProxyActor"}, [0, 1], [2, 3], affinity=lambda _tid: {2, 3}) == {}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_gpu_node_mode_moves_a_real_process_threads_to_the_host_cores():
+    from bench.harness import affinity
+
+    model, host = affinity.split_cores(1, sorted(os.sched_getaffinity(0)))
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+                              "threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(affinity.threads(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        moved = affinity.apply([child.pid], model, host)
+        assert sum(moved["threads_moved"].values()) == 2
+        assert all(os.sched_getaffinity(t) == set(host) for t in affinity.threads(child.pid))
+        assert affinity.apply([child.pid], model, host)["threads_moved"] == {}  # nothing left to move
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_gpu_node_mode_binds_every_systems_engine_to_the_model_cores(tmp_path):
+    from bench.harness import systems
+
+    engine = systems.EngineSettings("ckpt", "float32", omp_bind="0")
+    iris = systems.iris_config(engine, 1, 8000, cache=True, namespace="n")
+    rayllm = systems.rayllm_config(engine, 1, 8000, affinity=False)
+    for config in (iris, rayllm):
+        assert config["applications"][0]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    plain = systems.EngineSettings("ckpt", "float32")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in systems.rayllm_config(plain, 1, 8000, False)[
+        "applications"][0]["runtime_env"]["env_vars"]
+
+
 # ---- one entry point, one provenance record, one percentile, one list of results
 
 def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):

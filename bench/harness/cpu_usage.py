@@ -66,6 +66,14 @@ def per_request_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[
     return {"total": round(sum(ms.values()), 1), **ms}
 
 
+def per_output_token(per_request: dict[str, float], requests: int, output_tokens: float | None) -> dict[str, float]:
+    """CPU ms per output token by role, from the per-request figures over `requests` requests that
+    produced `output_tokens` tokens in all; {} where tokens were not counted."""
+    if not output_tokens or not requests:
+        return {}
+    return {name: round(ms * requests / output_tokens, 2) for name, ms in per_request.items()}
+
+
 class Meter:
     """`with meter:` around a load; then `per_request_ms(requests)`."""
 

@@ -31,6 +31,7 @@ def summarize(records: list[RequestRecord], duration_s: float, distinct_images: 
         # and each request's own rate (its output tokens over its end-to-end latency).
         "output_tokens_per_s": output_tokens / duration_s if duration_s else None,
         "request_output_tokens_per_s": distribution([r.output_tokens / r.latency_s for r in ok if r.latency_s]),
+        "output_tokens": output_tokens,
         "output_tokens_mean": statistics.fmean(r.output_tokens for r in ok) if ok else None,
         "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
         "resent": sum(r.resent for r in records),
@@ -63,7 +64,7 @@ def _index(results: list[dict]) -> dict[tuple[str, int, str], dict]:
             for key, rs in grouped.items()}
 
 
-_SUMMED = ("requests", "ok", "failed", "resent", "distinct_images", "encoder_runs")  # each round has its own images
+_SUMMED = ("requests", "ok", "failed", "resent", "distinct_images", "encoder_runs", "output_tokens")  # each round has its own images
 
 
 def _median_summary(summaries: list[dict]) -> dict:
@@ -163,6 +164,7 @@ def markdown(run: dict) -> str:
     lines = [f"# Iris vs Ray Serve LLM vs `vllm serve` ({run['model']})", "",
              f"Figures from a {machine['description']}; commit `{run['commit']}`; {run['started']}; "
              f"{run['duration_s'] / 60:.0f} min.", "", f"    {run['command']}", "",
+             gpu_node_line(run), "",
              *([f"{run['rounds']} rounds, the systems up side by side and taking turns at each point; the "
                 "figures per system are the median of the rounds'.", ""] if run.get("rounds", 1) > 1 else []),
              "Each cell: p50 TTFT ms / p90 TTFT ms / requests per second (failed requests, if any, in brackets).",
@@ -226,17 +228,91 @@ def markdown(run: dict) -> str:
                   "every process of the system (Ray's own included) and the Redis server; the six largest roles "
                   f"(bench/harness/cpu_usage.py). On this machine's {machine['cpus']} CPUs, 1000 ms of CPU per second "
                   f"is {100 / machine['cpus']:.0f}% of the machine.", "",
-                  "| system | replicas | load point | total | largest |", "|---|---|---|---|---|"]
+                  "Per output token: the same CPU over the output tokens of the requests that succeeded. Host: "
+                  "every role but the model's (vLLM's engine processes VLLM::*, Iris's VisionEncoder), the part a "
+                  "GPU would not take over.", "",
+                  "| system | replicas | load point | total ms/request | ms/output token | host ms/request | "
+                  "host ms/output token | largest (ms/request) |", "|---|---|---|---|---|---|---|---|"]
         for r in cpu_rows:
-            cpu = dict(r["summary"]["cpu_ms_per_request"])
+            s = r["summary"]
+            cpu = dict(s["cpu_ms_per_request"])
             total = cpu.pop("total", None)
+            host = host_cpu(cpu)
+            tokens = s.get("output_tokens")
+            per_token = (s.get("cpu_ms_per_output_token") or {}).get("total")
+            host_token = host * s["ok"] / tokens if tokens and s.get("ok") else None
             top = ", ".join(f"{name} {ms:.0f}" for name, ms in list(cpu.items())[:6])
-            lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {_fmt(total)} | {top} |")
+            lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {_fmt(total)} | {_fmt(per_token, 2)} | "
+                         f"{_fmt(host)} | {_fmt(host_token, 2)} | {top} |")
+    work_rows = [r for r in results if r["summary"].get("host_work")]
+    if work_rows:
+        lines += ["", "## Host work per request: Ray calls, object-store puts, streamed items", "",
+                  *HOST_WORK_NOTES, "",
+                  "| system | replicas | load point | Ray calls / request, by method | calls sent, by role | "
+                  "streamed items received, by role | object-store puts (pins by role) | other Ray calls | "
+                  "stats dump ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in work_rows:
+            lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | " + " | ".join(host_work_cells(
+                r["summary"]["host_work"])) + " |")
     skipped = [r for r in run["results"] if not r.get("summary")]
     if skipped:
         lines += ["", "## Not measured", ""] + [f"- {r['system']} ×{r['replicas']} {r['point']}: {r['skipped']}"
                                                  for r in skipped]
     return "\n".join(lines) + "\n"
+
+
+MODEL_ROLES = ("VisionEncoder",)  # besides vLLM's engine processes, VLLM::*
+
+
+def host_cpu(per_request: dict[str, float]) -> float:
+    """CPU ms per request of every role but the model's (and the total)."""
+    return round(sum(ms for name, ms in per_request.items()
+                     if name != "total" and not name.startswith("VLLM::") and name not in MODEL_ROLES), 1)
+
+
+def gpu_node_line(run: dict) -> str:
+    mode = run.get("gpu_node_mode")
+    if not mode:
+        return ("GPU-node mode: off (every process may run on any core; the model's work competes with the "
+                "host's for the same cores).")
+    return (f"GPU-node mode: cores {mode['model_cores']} play the GPU (vLLM's engine processes, every thread, "
+            f"and Iris's VisionEncoder; engines bind VLLM_CPU_OMP_THREADS_BIND={mode['omp_threads_bind']}), "
+            f"cores {mode['host_cores']} the host (everything else, the harness and its load clients too); "
+            "see docs/benchmarks.md for what this does and does not model.")
+
+
+HOST_WORK_NOTES = [
+    "Per completed request, between snapshots before and after the point (bench/harness/host_work.py). "
+    "Ray calls by method: Ray's `ray_tasks` metric (finished or failed actor tasks, counted by the caller), "
+    "the methods a request calls (a replica's `handle_request*`, and an ASGI ingress's "
+    "`ProxyActor.receive_asgi_messages` for the request's body); it names the callee, not the caller. Calls sent by "
+    "role and streamed items received by role: each Ray process's own event stats "
+    "(`CoreWorkerService.grpc_client.PushTask`, `grpc_server.ReportGeneratorItemReturns`: one message per "
+    "item a streaming generator yields to its caller), including the control plane's calls (health checks, "
+    "long polls), which also make the \"other Ray calls\" column. Object-store puts: objects the raylet "
+    "created in the shared-memory store (`ray_object_store_dist_count`, node-wide); values under 100 KiB "
+    "travel inside the messages and are not puts. Stats dump ms: the CPU the event-stats dumps themselves "
+    "took, part of the CPU figures above. `vllm serve` makes no Ray calls: n/a.",
+]
+
+
+def _counts(values: dict | None, digits: int = 2) -> str:
+    if values is None:
+        return "n/a (no event stats)"
+    rest = {k: v for k, v in values.items() if k != "total"}
+    return (f"{values.get('total', 0):.{digits}f}" + (": " + ", ".join(f"{k} {v:.{digits}f}" for k, v in rest.items())
+                                                     if rest else ""))
+
+
+def host_work_cells(work: dict) -> list[str]:
+    """The host-work table's cells for one point (see HOST_WORK_NOTES)."""
+    if work.get("ray") is False:
+        return ["0 (n/a: no Ray)"] * 3 + ["0 (n/a)", "0", "–"]
+    stale = f" (stale dumps: {', '.join(work['stale_roles'])})" if work.get("stale_roles") else ""
+    return [_counts(work.get("ray_calls_per_request")), _counts(work.get("calls_sent_by_role")) + stale,
+            _counts(work.get("streamed_items_received_by_role")),
+            f"{_fmt(work.get('object_store_puts_per_request'), 2)} ({_counts(work.get('object_pins_by_role'))})",
+            _fmt(work.get("other_ray_calls_per_request"), 2), _fmt(work.get("event_stats_dump_ms_per_request"), 2)]
 
 
 def plots(run: dict, out_prefix: Path) -> list[Path]:

@@ -40,6 +40,7 @@ import httpx
 import yaml
 
 from bench.harness import processes
+from bench.harness.host_work import EVENT_STATS_ENV
 from bench.harness.metrics import Counters, scrape
 from bench.harness.results import ROOT
 from deployments.cpu_binding import omp_threads_bind
@@ -69,6 +70,9 @@ class EngineSettings:
     # placement group; `vllm serve` finds it itself); False: the CPU-only settings.
     gpu: bool = False
     gpu_memory_utilization: float | None = None  # vLLM's, the same for every system (None: vLLM's default)
+    # compare --gpu-node-mode: VLLM_CPU_OMP_THREADS_BIND for every engine of every system (the model
+    # cores, bench/harness/affinity.py); None: each system binds as it does by default.
+    omp_bind: str | None = None
 
     def mm_limits(self) -> dict[str, int]:
         return {"image": self.max_images, **({"video": self.max_videos} if self.max_videos else {})}
@@ -164,7 +168,7 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
-    app["runtime_env"] = {"env_vars": dict(ENV)}
+    app["runtime_env"] = {"env_vars": {**ENV, **_bind(engine)}}
     args = app["args"]
     args.update(model=engine.checkpoint, served_model_name=SERVED_NAME, max_images_per_prompt=engine.max_images,
                 max_videos_per_prompt=engine.max_videos,
@@ -211,8 +215,15 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
-                          "runtime_env": {"env_vars": dict(ENV)}, "args": {"llm_configs": [llm_config]}}],
+                          "runtime_env": {"env_vars": {**ENV, **_bind(engine)}},
+                          "args": {"llm_configs": [llm_config]}}],
     }
+
+
+def _bind(engine: EngineSettings) -> dict[str, str]:
+    """GPU-node mode: the engine's OpenMP threads on the model cores (Iris's LLMDecode keeps a binding
+    set in its environment, deployments/decode.py; vLLM reads it in its engine processes)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": engine.omp_bind} if engine.omp_bind else {}
 
 
 def _memory(engine: EngineSettings) -> dict:
@@ -268,10 +279,13 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
           deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-          status_log: Path | None = None, app_args: dict | None = None) -> RunningSystem:
+          status_log: Path | None = None, app_args: dict | None = None,
+          ray_event_stats_s: float = 0.0) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
     deployment and `app_args` application args (iris_config), `env` is added to the runner's
-    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log)."""
+    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log).
+    With `ray_event_stats_s`, every Ray process of the system dumps its event stats (handler counts)
+    to its log that often (bench/harness/host_work.py reads them); 0 leaves Ray's default (a minute)."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     started = time.monotonic()
@@ -296,13 +310,16 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     # HAProxy's admin socket lives there: a unix socket path has at most 107 bytes, so a short one.
     if name.endswith("-haproxy"):
         env = {**(env or {}), **haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-")))}
+    if ray_event_stats_s:
+        env = {**(env or {}), EVENT_STATS_ENV: str(round(ray_event_stats_s * 1000))}
     cmd = [sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
            "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)]
     if status_log is not None:
         cmd += ["--status-log", str(status_log)]
     proc = _spawn(cmd, log, env)
     system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
-                           [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config)})
+                           [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config),
+                                                           "ray_event_stats_s": ray_event_stats_s})
     return system.wait_ready([None], started, timeout_s)
 
 
@@ -342,7 +359,8 @@ def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: f
         log = log_dir / f"vllm-{replicas}-{i}.log"
         # On a GPU, each replica is one vLLM engine on the GPUs it finds (one replica per GPU: set
         # CUDA_VISIBLE_DEVICES per replica to run more); core binding is for CPU-only machines.
-        procs.append(_spawn(vllm_command(engine, port), log, {} if engine.gpu else vllm_cpu_binding(i, replicas)))
+        binding = _bind(engine) or ({} if engine.gpu else vllm_cpu_binding(i, replicas))
+        procs.append(_spawn(vllm_command(engine, port), log, binding))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)

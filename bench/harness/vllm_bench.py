@@ -48,7 +48,7 @@ def run(base_url: str, model: str, tokenizer: str, num_prompts: int, concurrency
     return {
         "requests": num_prompts, "ok": raw.get("completed"), "failed": raw.get("failed", 0),
         "duration_s": raw.get("duration"), "req_per_s": raw.get("request_throughput"),
-        "output_tokens_per_s": raw.get("output_throughput"),
+        "output_tokens_per_s": raw.get("output_throughput"), "output_tokens": raw.get("total_output_tokens"),
         "ttft_ms": {"p50": raw.get("p50_ttft_ms"), "p90": raw.get("p90_ttft_ms"), "p99": raw.get("p99_ttft_ms"),
                     "mean": raw.get("mean_ttft_ms")},
         "tpot_ms": {"p50": raw.get("p50_tpot_ms"), "p90": raw.get("p90_tpot_ms"), "p99": raw.get("p99_tpot_ms"),
