@@ -154,9 +154,12 @@ def ray_dashboard():
     import ray
     from ray.cluster_utils import Cluster
 
+    from bench.harness.systems import haproxy_env
     from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
 
     dashboard_port = free_port()
+    # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
+    os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {CPU_NODE: 1000}, "object_store_memory": 3 << 30,
         "include_dashboard": True, "dashboard_port": dashboard_port})

@@ -57,6 +57,18 @@ def _chat(base: str, parts: list[dict], *, tenant: str | None = None, max_tokens
     return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
+def test_the_suite_serves_iris_behind_haproxy(app):
+    """The suite's cluster runs Iris as the Quickstart does: HAProxy in front of the Ingress replicas
+    (conftest), whose config names this app's route."""
+    import os
+    from pathlib import Path
+
+    family, base, _ = app
+    config = Path(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])  # Ray writes it per node: DIR/<node id>/NAME
+    assert any(f"/{family}" in c.read_text() for c in config.parent.glob(f"*/{config.name}"))
+    assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
+
+
 def test_same_bytes_skip_preprocess_and_encoder_and_hit_prefix_cache(app):
     _, base, name = app
     url = data_url(_unique_png())

@@ -7,7 +7,7 @@ What Ray 2.60 exposes, and what each count here is taken from (checked on a runn
                           which each owner (caller) keeps per task name, e.g.
                           `ServeReplica:iris:Ingress.handle_request_streaming`. It counts every actor
                           task, including those of Serve replicas whose task events Serve turns off
-                          (RAY_SERVE_ENABLE_TASK_EVENTS), but carries no caller label: caller → callee
+                          (by default), but carries no caller label: caller → callee
                           pairs are not measured, only the callee's method (and, below, how many calls
                           each role sent and received).
     calls sent / received by role, streamed messages by role, object pins by role
