@@ -10,7 +10,8 @@
     rayllm-affinity   the same with its PrefixCacheAffinityRouter
     iris-haproxy, rayllm-haproxy  iris and rayllm behind the HAProxy that Ray Serve bundles,
                       forwarding to the ingress replicas' own ports (direct ingress), in
-                      place of Serve's Python proxy
+                      place of Serve's Python proxy (iris-haproxy: Iris as its Quickstart
+                      and KubeRay manifests run it)
     vllm              `vllm serve`'s OpenAI server, one process per replica,
                       used round-robin by the client as a plain load balancer would;
                       with several replicas each engine's OpenMP threads get a core
