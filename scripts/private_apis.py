@@ -91,10 +91,8 @@ PRIVATE_APIS: tuple[Private, ...] = (
                    "the autoscaling benchmark's queue lengths every second, not every 10 s"),
     _ray_serve_env("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", ("bench/autoscale.py",),
                    "the autoscaling benchmark's queue lengths every second, not every 10 s"),
-    _ray_serve_env("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", (SYSTEMS, HARNESS_TEST, "tests/test_serving.py"),
-                   HAPROXY_WHY + "; the suite's check that it runs behind HAProxy reads the config there"),
     *(_ray_serve_env(name, (SYSTEMS, HARNESS_TEST), HAPROXY_WHY) for name in (
-        "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_PORT",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_PORT",
         "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT")),
     *(_ray_serve_env(name, (SYSTEMS,), HAPROXY_WHY) for name in (
