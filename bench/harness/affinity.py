@@ -13,12 +13,9 @@ system has started and again before each point, as processes come and go.
 from __future__ import annotations
 
 import os
-import re
 
-from bench.harness.cpu_usage import role
+from bench.harness.cpu_usage import is_model_role, role
 from bench.harness.profiler import process_tree
-
-_MODEL = re.compile(r"^(VLLM::\w+|ray::ServeReplica:[^: ]+:VisionEncoder\b)")
 
 
 def split_cores(model_cores: int, cores: list[int]) -> tuple[list[int], list[int]]:
@@ -37,7 +34,7 @@ def omp_bind(model: list[int]) -> str:
 
 
 def is_model(cmdline: str) -> bool:
-    return bool(_MODEL.match(cmdline))
+    return is_model_role(role(cmdline))
 
 
 def threads(pid: int) -> list[int]:

@@ -28,6 +28,12 @@ _ROLES = [
 ]
 
 
+def is_model_role(name: str) -> bool:
+    """The model's work (vLLM's engine processes, Iris's VisionEncoder): what a GPU takes over;
+    every other role is the host's."""
+    return name.startswith("VLLM::") or name == "VisionEncoder"
+
+
 def role(cmdline: str) -> str:
     for pattern, name in _ROLES:
         m = pattern.search(cmdline)

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from bench.harness.client import RequestRecord
+from bench.harness.cpu_usage import is_model_role, per_output_token
 from bench.harness.metrics import Counters
 from bench.harness.results import label
 from bench.harness.stats import distribution, median_and_range, percentile
@@ -240,7 +241,7 @@ def markdown(run: dict) -> str:
             host = host_cpu(cpu)
             tokens = s.get("output_tokens")
             per_token = (s.get("cpu_ms_per_output_token") or {}).get("total")
-            host_token = host * s["ok"] / tokens if tokens and s.get("ok") else None
+            host_token = per_output_token({"host": host}, s.get("ok"), tokens).get("host")
             top = ", ".join(f"{name} {ms:.0f}" for name, ms in list(cpu.items())[:6])
             lines.append(f"| {r['system']} | {r['replicas']} | {r['point']} | {_fmt(total)} | {_fmt(per_token, 2)} | "
                          f"{_fmt(host)} | {_fmt(host_token, 2)} | {top} |")
@@ -261,13 +262,9 @@ def markdown(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-MODEL_ROLES = ("VisionEncoder",)  # besides vLLM's engine processes, VLLM::*
-
-
 def host_cpu(per_request: dict[str, float]) -> float:
     """CPU ms per request of every role but the model's (and the total)."""
-    return round(sum(ms for name, ms in per_request.items()
-                     if name != "total" and not name.startswith("VLLM::") and name not in MODEL_ROLES), 1)
+    return round(sum(ms for name, ms in per_request.items() if name != "total" and not is_model_role(name)), 1)
 
 
 def gpu_node_line(run: dict) -> str:
