@@ -19,6 +19,7 @@ from deployments.preprocess import Preprocess
 from pipeline.tenancy.auth import KeyRing
 
 logger = logging.getLogger("ray.serve")
+SHUTDOWN_MARGIN_S = 10.0  # beyond request_timeout_s: the answer's last bytes, the replica's own shutdown
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -31,10 +32,19 @@ def build_app(args: dict | None = None) -> Application:
     except ValueError as err:
         raise ValueError(f"invalid Iris application args: {err}") from None
     _report_redis(config)
+    return iris_application(config)
+
+
+def iris_application(config: IrisConfig, **ingress_options) -> Application:
+    """The deployment graph. A replica that an update (`serve deploy` of a changed config) or a
+    scale-down stops finishes its requests first: the Ingress's and LLMDecode's for as long as a
+    request may take (Serve's default, 20 s, cut longer answers, and the Ingress's requests that
+    wait for a replacing decode replica)."""
+    drain = {"graceful_shutdown_timeout_s": config.request_timeout_s + SHUTDOWN_MARGIN_S}
     encoder = VisionEncoder.bind(config)
     preprocess = Preprocess.bind(config)
-    decode = LLMDecode.bind(config)
-    return Ingress.bind(config, preprocess, encoder, decode)
+    decode = LLMDecode.options(**drain).bind(config)
+    return Ingress.options(**{**drain, **ingress_options}).bind(config, preprocess, encoder, decode)
 
 
 def _report_redis(config: IrisConfig) -> None:

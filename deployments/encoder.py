@@ -97,6 +97,9 @@ class VisionEncoder:
             # A rolling update: the ingress keyed this image for other weights. Never store
             # our features under another model's key; the ingress refetches the fingerprint.
             return model_changed()
+        if pixels.processed_with != self.vision.processing_id():
+            # A rolling update of a Preprocess setting: pixels made for other features; same answer.
+            return model_changed()
 
         if self.max_tokens is None:
             cost = 1

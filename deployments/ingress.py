@@ -125,10 +125,20 @@ class Ingress:
         check_max_tokens(chat.sampling, self.config.max_tokens_limit)
         self._check_model(chat.model)
         await self.admission.admit(ticket, len(chat.media))  # before any media work
-        media = await self.features.resolve(chat, ticket.tenant)
-        stream = await self._open_decode(DecodeRequest(
-            request_id, messages_for_template(chat.messages), media.keys, chat.sampling, media.delivered,
-            ticket.tenant, modalities=media.modalities), media)
+        for attempt in range(2):
+            media = await self.features.resolve(chat, ticket.tenant)
+            try:
+                stream = await self._open_decode(DecodeRequest(
+                    request_id, messages_for_template(chat.messages), media.keys, chat.sampling, media.delivered,
+                    ticket.tenant, modalities=media.modalities), media)
+                break
+            except IrisError as err:
+                # A rolling update: a stage already runs other weights or preprocessing than the
+                # fingerprint this request was keyed with. Nothing has reached the client yet: key
+                # its items again with the new fingerprint, once.
+                if err.code != MODEL_CHANGED or attempt:
+                    raise
+                self.metrics.counts["requests_rekeyed"] += 1  # /iris/stats: requests that met a rolling update
         mark("ingress.first_token", request_id)
         model = self.config.model_name
         return stream, Reply(

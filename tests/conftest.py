@@ -35,9 +35,10 @@ def pytest_configure(config):
 
 # Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
 # as (module, its `app` fixture's param or None for all), in the order that hands each app from one
-# to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each.
+# to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each. test_rollout
+# updates the Qwen2-VL app in place, so it comes last.
 APP_SHARING_ORDER = [("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
-                     ("test_families", None), ("test_serving", "qwen2_vl")]
+                     ("test_families", None), ("test_serving", "qwen2_vl"), ("test_rollout", None)]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture parameters

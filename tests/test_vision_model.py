@@ -123,7 +123,21 @@ def test_fingerprint_covers_the_tower_weights(tmp_path, tiny_checkpoint, dtype):
     name = next(n for n in weights if "vision_tower" in n and "mlp.fc1.weight" in n)
     weights[name] = weights[name] + 1e-3
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    assert VisionModel(str(copy), dtype).expected_fingerprint() != original.fingerprint()
+    tuned = VisionModel(str(copy), dtype)
+    assert tuned.expected_fingerprint() != original.fingerprint()
+    assert tuned.processing_id() == original.processing_id()  # its pixels are the original's
+
+
+def test_a_preprocessing_setting_changes_what_pixels_are_stamped_with(tiny_checkpoint):
+    """The encoder refuses pixels of another Preprocess setting (a rolling update of
+    mm_processor_kwargs), by the processing id each PixelInputs carries."""
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    plain, fewer = VisionModel(checkpoint), VisionModel(checkpoint, mm_processor_kwargs={"max_pixels": 3136})
+    assert plain.processing_id() != fewer.processing_id()
+    image = plain.load_image(png_bytes("wide"))
+    stamped = plain.preprocess(image), fewer.preprocess(image)
+    assert [p.processed_with for p in stamped] == [plain.processing_id(), fewer.processing_id()]
+    assert stamped[0].num_tokens > stamped[1].num_tokens
 
 
 def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):

@@ -63,6 +63,9 @@ class PixelInputs:
     metadata: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding metadata not in `item`
     modality: str = "image"
     source: bytes | None = None  # the item's bytes, kept where the decoder needs them (connector delivery)
+    # VisionModel.processing_id() of the processor that made it: the encoder refuses pixels another
+    # Preprocess setting made (a rolling update), which its fingerprint would otherwise vouch for.
+    processed_with: str = ""
 
 
 class VisionModel:
@@ -110,6 +113,7 @@ class VisionModel:
         self._prompts = {m: self.processor.dummy_inputs.get_dummy_text({m: 1}) for m in self.modalities}
         self.model: torch.nn.Module | None = None
         self._weights_digest: str | None = None
+        self._processing_id: str | None = None
         # Features of the load-time image sample (`sample_image_bytes`), with its bytes where the
         # decoder needs them: LLMDecode checks its path to the engine with them.
         self.sample_features: Features | None = None
@@ -130,7 +134,7 @@ class VisionModel:
         (placeholder,) = out["mm_placeholders"][modality]
         metadata = {name: _METADATA_FROM_IMAGE[name](media) for name in self.forms[modality].metadata_fields
                     if name not in item} if modality == "image" else {}
-        return PixelInputs(item, placeholder.get_num_embeds(), metadata, modality)
+        return PixelInputs(item, placeholder.get_num_embeds(), metadata, modality, processed_with=self.processing_id())
 
     def load_video(self, data: bytes) -> tuple[np.ndarray, dict]:
         """A video's sampled frames [T, H, W, 3] (uint8) and metadata, decoded by vLLM's video
@@ -248,6 +252,17 @@ class VisionModel:
         the architecture, processor and loader settings, the dtype. The language model is not in it."""
         if self._weights_digest is None:
             raise RuntimeError("load_encoder() before computing the fingerprint")
+        parts = self._setting_parts() + [self._weights_digest.encode()]
+        return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
+
+    def processing_id(self) -> str:
+        """The fingerprint's settings without the weights: what Preprocess's pixels depend on."""
+        if self._processing_id is None:
+            self._processing_id = content_hash(b"\0".join(content_hash(p).encode()
+                                                          for p in self._setting_parts()))[:FINGERPRINT_CHARS]
+        return self._processing_id
+
+    def _setting_parts(self) -> list[bytes]:
         root = Path(self.checkpoint)
         # The pixel decoder too: Iris's own decoder rescaled 16-bit images, vLLM's (now Iris's) clips them.
         settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs,
@@ -261,8 +276,7 @@ class VisionModel:
                 parts.append((root / name).read_bytes())
         if not (root / "config.json").is_file():  # a hub id: the resolved config instead
             parts.append(self.vllm_config.model_config.hf_config.to_json_string().encode())
-        parts.append(self._weights_digest.encode())
-        return content_hash(b"\0".join(content_hash(p).encode() for p in parts))[:FINGERPRINT_CHARS]
+        return parts
 
     def expected_fingerprint(self) -> str:
         """The encoder's fingerprint (and feature widths), for a process that does not
