@@ -198,6 +198,9 @@ def _roll_under_load(app, new_args: dict, seed: int) -> dict:
     assert not stale, f"the old model answered after the update: {stale[:5]}"
     # The new model computed each image's features once, however many requests sent it.
     assert app.stats("VisionEncoder", timeout_s=30)["images_encoded"] == len(images)
+    deadline = time.monotonic() + 10  # the encoder writes to Redis behind its answer
+    while len(_keys_of(app.namespace, new_fingerprint)) < len(images) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert len(_keys_of(app.namespace, new_fingerprint)) == len(images)
     served_new = sum(1 for s in sent if s.answer == new[s.what] and s.what in images)
     return {"requests": len(sent), "roll_s": round(roll_s, 1), "image_requests_by_new_model": served_new}
