@@ -9,6 +9,10 @@ after it; the app is deleted when this module is done, as the next app's start w
   2. a preprocessing setting that changes the fingerprint: engine_args.mm_processor_kwargs
      max_pixels, which makes each test image fewer feature tokens.
 
+The updated app runs two Ingress replicas (docs/operations.md: with one, Serve stops it before
+its successor starts, and requests fail); the other stages keep one, so requests wait at the
+Ingress for their successors, and an old Ingress meets new stages and the other way round.
+
 Every request must succeed (200), every answer must be the old model's or the new model's
 greedy answer for its input (a feature of one model decoded by the other would be neither),
 requests sent after the update must get the new model's, and the new model must have
