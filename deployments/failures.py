@@ -1,5 +1,6 @@
 """What a client sees of an unexpected exception: 504 past the request's deadline, 503 when
-a replica of a stage died under the request, 500 for anything else (a bug, logged)."""
+a replica of a stage died under the request or a stage has no replica to take it (a node lost,
+docs/operations.md: losing a node), 500 for anything else (a bug, logged)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ray.exceptions import (
     RayActorError,
     WorkerCrashedError,
 )
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from pipeline.api.errors import IrisError, causes, server_error
 
@@ -33,6 +35,9 @@ def failure_response(err: BaseException, what: str, timeout_s: float) -> IrisErr
 
 def stage_failed(err: BaseException | None) -> bool:
     """Whether `err` says a replica of a downstream stage died or became unreachable
-    (killed, crashed, its node lost), as opposed to a bug."""
-    # Causes nest: a task error caused by an actor's death, ...
-    return any(isinstance(e, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError)) for e in causes(err))
+    (killed, crashed, its node lost: RayActorError covers ActorDiedError and ActorUnavailableError,
+    ObjectLostError the owner's death and failed reconstruction), or that a stage has no replica
+    at all (Serve's DeploymentUnavailableError, a 503 in Serve's own proxy too), as opposed to a bug."""
+    # Causes nest: a task error caused by an actor's death, Serve's error for a dead upstream, ...
+    return any(isinstance(e, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError,
+                              DeploymentUnavailableError)) for e in causes(err))

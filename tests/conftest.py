@@ -146,29 +146,36 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_dashboard():
+def ray_cluster():
     """Ray as two nodes on this machine, as a cluster of CPU nodes and accelerator nodes is: the
     head (custom resource CPU_NODE) and a second raylet with its own object store
-    (ACCELERATOR_NODE), each with logical CPUs above the physical two. Yields the dashboard's
-    URL (Serve's replica details: GET /api/serve/applications/). Replicas that name no resource
-    spread over both nodes; tests/test_serving_affinity.py places the stages by resources."""
+    (ACCELERATOR_NODE), each with logical CPUs above the physical two. Yields the
+    ray.cluster_utils.Cluster (tests/test_node_loss.py removes and adds nodes; it leaves the same
+    resources behind). Replicas that name no resource spread over both nodes;
+    tests/test_serving_affinity.py places the stages by resources."""
     import ray
     from ray.cluster_utils import Cluster
 
     from bench.harness.systems import haproxy_env
-    from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
+    from tests.support.apps import ACCELERATOR_NODE, ACCELERATOR_NODE_ARGS, CPU_NODE
 
-    dashboard_port = free_port()
     # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
     os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {CPU_NODE: 1000}, "object_store_memory": 3 << 30,
-        "include_dashboard": True, "dashboard_port": dashboard_port})
-    cluster.add_node(num_cpus=8, resources={ACCELERATOR_NODE: 1000}, object_store_memory=3 << 30)
+        "include_dashboard": True, "dashboard_port": free_port()})
+    assert ACCELERATOR_NODE in ACCELERATOR_NODE_ARGS["resources"]
+    cluster.add_node(**ACCELERATOR_NODE_ARGS)
     ray.init(address=cluster.address, log_to_driver=False)
-    yield f"http://127.0.0.1:{dashboard_port}"
+    yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_dashboard(ray_cluster):
+    """The URL of the session's Ray dashboard (Serve's replica details: GET /api/serve/applications/)."""
+    return f"http://{ray_cluster.webui_url}"  # host:port
 
 
 @pytest.fixture(scope="session")

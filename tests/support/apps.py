@@ -23,6 +23,8 @@ from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_nam
 # Custom resources of the session's two Ray nodes (conftest's serve_instance): what a real
 # cluster's CPU nodes and GPU nodes are told apart by, here on one machine.
 CPU_NODE, ACCELERATOR_NODE = "iris_cpu_node", "iris_accelerator_node"
+# The accelerator node's ray.cluster_utils.Cluster.add_node arguments (the one a node lost is replaced with).
+ACCELERATOR_NODE_ARGS = {"num_cpus": 8, "resources": {ACCELERATOR_NODE: 1000}, "object_store_memory": 3 << 30}
 START_TIMEOUT_S = 600.0  # vLLM starts in ~40 s on an idle 2-core box, minutes under load
 
 
