@@ -92,6 +92,7 @@ class LLMDecode:
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
         self.generating = 0  # generate() calls in progress on this replica
+        self.left_early = 0  # generate() calls whose caller went away before the last chunk (client gone, deadline)
         await self._warm_up_logprobs()
         if "image" in connector_widths:
             await self._check_connector()
@@ -144,14 +145,16 @@ class LLMDecode:
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         self.generating += 1
-        started, sent = time.monotonic(), False
+        started, sent, ended = time.monotonic(), False, False
         try:
             async with aclosing(self._generate(request)) as chunks:
                 async for chunk in chunks:
                     sent = True
                     yield chunk
+            ended = True
         finally:  # also when the caller cancels or leaves: closing _merged aborted the engine request
             self.generating -= 1
+            self.left_early += not ended
             waited = time.monotonic() - started
             if not sent and waited > SLOW_FIRST_OUTPUT_S:
                 # Says whether a first token the client never saw left this replica at all.
@@ -260,7 +263,8 @@ class LLMDecode:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
         # finished or went away, since a cancelled generate() aborts its engine request.
         stats = {"replica": serve.get_replica_context().replica_id.unique_id, "cache": self.cache.stats(),
-                 "generating": self.generating, "engine_unfinished": self.engine.get_num_unfinished_requests()}
+                 "generating": self.generating, "left_early": self.left_early,
+                 "engine_unfinished": self.engine.get_num_unfinished_requests()}
         if self.staging is not None:  # items the connector supplied and items the engine's tower encoded
             stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged}
         return stats
