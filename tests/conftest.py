@@ -37,7 +37,7 @@ def pytest_configure(config):
 # as (module, its `app` fixture's param or None for all), in the order that hands each app from one
 # to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each.
 APP_SHARING_ORDER = [("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
-                     ("test_families", None), ("test_serving", "qwen2_vl")]
+                     ("test_tracing", None), ("test_families", None), ("test_serving", "qwen2_vl")]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture parameters
