@@ -101,9 +101,6 @@ def test_one_connected_trace_per_request_with_a_span_per_stage(app):
     spans = {case: receiver.wait(lambda t=t, c=case: (lambda s: s if _complete(s, c == "new") else None)(
         receiver.trace(t)), timeout_s=30) or receiver.trace(t) for case, t in traces.items()}
     for case, trace in spans.items():
-        print(case, _tree(trace))
-
-    for case, trace in spans.items():
         assert _complete(trace, case == "new"), (case, _tree(trace))
         by_id = {s.span_id: s for s in trace}
         # One root, and every other span's parent is in the trace: connected across the processes.
