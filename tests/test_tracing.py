@@ -18,7 +18,7 @@ from bench.harness.systems import SERVED_NAME as NAME
 from pipeline.tenancy.tenant import metric_tenant
 from tests.support.apps import reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, image_part, unique_png
-from tests.support.otlp_receiver import trace_receiver
+from tests.support.otlp_receiver import spans_of, trace_receiver
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = {"ingress.request", "ingress.parse", "ingress.fetch", "ingress.cache_lookup", "decode", "decode.features"}
@@ -42,6 +42,56 @@ loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
 assert not loaded, loaded
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_grpc_export_and_context_across_processes():
+    """tracing.protocol's default (gRPC) to a gRPC OTLP receiver here, from a process of its own as
+    a replica is: a span continued from a carrier (what crosses a Ray call) and one started
+    without being made current (LLMDecode's) are children of the span the carrier came from;
+    what is batched leaves when the process exits; sample_ratio drops new traces, not a sampled parent's."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.extend(spans_of(request))
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    code = f"""
+from deployments import tracing
+tracing.setup(tracing.TracingConfig(otlp_endpoint="http://127.0.0.1:{port}", service_name="iris-test"), "ingress")
+with tracing.span("stage.a"):
+    carrier = tracing.carrier()
+with tracing.span("stage.b", carrier) as b:
+    assert b.is_recording()
+tracing.start_span("stage.c", carrier).end()
+# sample_ratio 0: a new trace is dropped (nothing recorded, nothing sent), a sampled parent's is followed.
+tracing._tracer = None
+tracing.setup(tracing.TracingConfig(otlp_endpoint="http://127.0.0.1:{port}", service_name="iris-test",
+                                    sample_ratio=0), "ingress")
+with tracing.span("dropped") as dropped:
+    assert not dropped.is_recording() and not int(tracing.carrier()["traceparent"][-2:], 16) & 1  # not sampled
+tracing.start_span("stage.d", carrier).end()
+print(carrier["traceparent"])
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60).stdout
+        _, trace_id, parent_id, flags = out.split()[-1].split("-")
+    finally:
+        server.stop(None)
+    assert int(flags, 16) & 1  # sampled (sample_ratio 1)
+    assert sorted((s.name, s.trace_id, s.parent_id, s.service) for s in received) == [
+        ("stage.a", trace_id, "", "iris-test"), ("stage.b", trace_id, parent_id, "iris-test"),
+        ("stage.c", trace_id, parent_id, "iris-test"), ("stage.d", trace_id, parent_id, "iris-test")]
 
 
 @pytest.fixture(scope="module")

@@ -59,15 +59,9 @@ class TraceReceiver:
             time.sleep(0.25)
 
     def _add(self, body: bytes) -> None:
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in request.resource_spans:
-            resource = _attributes(resource_spans.resource.attributes)
-            for scope_spans in resource_spans.scope_spans:
-                for s in scope_spans.spans:
-                    span = Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                resource.get("service.name", ""), _attributes(s.attributes))
-                    with self._lock:
-                        self._spans.setdefault(span.trace_id, []).append(span)
+        for span in spans_of(ExportTraceServiceRequest.FromString(body)):
+            with self._lock:
+                self._spans.setdefault(span.trace_id, []).append(span)
 
     def _handler(self):
         receiver = self
@@ -92,6 +86,17 @@ class TraceReceiver:
                 pass
 
         return Handler
+
+
+def spans_of(request: ExportTraceServiceRequest) -> list[Span]:
+    """The spans of one OTLP export (over HTTP or gRPC alike)."""
+    spans = []
+    for resource_spans in request.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            spans += [Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                           resource.get("service.name", ""), _attributes(s.attributes)) for s in scope_spans.spans]
+    return spans
 
 
 def _attributes(pairs) -> dict:
