@@ -31,6 +31,8 @@ def pytest_configure(config):
     # engine-core process, as vLLM does on one GPU, instead of a worker process of its own (vLLM's
     # CPU default): one process fewer to start per engine, the same computation.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The traced apps' spans (tests/test_tracing.py) leave every 0.2 s, not OpenTelemetry's 5 s.
+    os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
 
 
 # Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
