@@ -170,6 +170,10 @@ def vllm_engine_args(config: TracingConfig, engine_args: dict) -> dict:
     return {"otlp_traces_endpoint": config.otlp_endpoint}
 
 
+def _health_check(path: str) -> bool:
+    return path.endswith("/health") or "/-/" in path  # Iris's, Serve's (/-/healthz, /-/routes)
+
+
 def _context(parent: dict[str, str] | None):
     if not parent:
         return None  # the current context
@@ -179,7 +183,7 @@ def _context(parent: dict[str, str] | None):
 
 
 class RequestSpans:
-    """ASGI middleware: a root span per HTTP request but /health, from its arrival to the last byte
+    """ASGI middleware: a root span per HTTP request but health checks, from its arrival to the last byte
     of its answer (streamed or not), the child of the client's `traceparent` if it sent one. Routes
     add attributes with `tag_request`."""
 
@@ -187,7 +191,7 @@ class RequestSpans:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if _tracer is None or scope["type"] != "http" or scope["path"].endswith("/health"):
+        if _tracer is None or scope["type"] != "http" or _health_check(scope["path"]):
             return await self.app(scope, receive, send)
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
