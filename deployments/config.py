@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
+from deployments.tracing import TracingConfig
 from pipeline.media.limits import MediaLimits
 from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
@@ -130,6 +131,10 @@ class IrisConfig(BaseModel):
         "is a 400 naming the parameter, and a request without one generates at most this many. "
         "None: bounded by the context length only, as in vLLM.",
     )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces over OTLP: one trace per request, a span per stage "
+        "(docs/operations.md: Traces); off unless otlp_endpoint is set.")
 
     @field_validator("engine_args")
     @classmethod

@@ -33,6 +33,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
+from deployments import tracing
 from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
 from deployments.cpu_binding import omp_threads_bind
 from deployments.engine_output import OutputAdapter
@@ -60,6 +61,7 @@ class LLMDecode:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _bind_engine_cores()
+        tracing.setup(config.tracing, "decode")
         # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
         # the encoder's fingerprint (computed before the engine takes the device's memory).
         self.vision = config.vision_model()
@@ -75,7 +77,8 @@ class LLMDecode:
         args = AsyncEngineArgs(
             model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
             limit_mm_per_prompt={m: self.vision.limits[m] for m in self.vision.modalities},
-            **{**config.engine_args, **REQUIRED_ENGINE_ARGS, **connector},
+            **{**tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
+               **REQUIRED_ENGINE_ARGS, **connector},
         )
         self.engine = AsyncLLM.from_engine_args(args)
         model_config = self.engine.model_config
@@ -146,13 +149,20 @@ class LLMDecode:
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         self.generating += 1
         started, sent, ended = time.monotonic(), False, False
+        # Not the current span: it spans yields. vLLM's llm_request span is its child (trace_headers).
+        span = tracing.start_span("decode", request.trace)
         try:
-            async with aclosing(self._generate(request)) as chunks:
+            async with aclosing(self._generate(request, tracing.carrier(span))) as chunks:
                 async for chunk in chunks:
                     sent = True
+                    if chunk.done and span.is_recording():
+                        span.set_attributes({"iris.prompt_tokens": chunk.prompt_tokens,
+                                             "iris.completion_tokens": chunk.completion_tokens,
+                                             "iris.cached_tokens": chunk.cached_tokens})
                     yield chunk
             ended = True
         finally:  # also when the caller cancels or leaves: closing _merged aborted the engine request
+            span.end()
             self.generating -= 1
             self.left_early += not ended
             waited = time.monotonic() - started
@@ -161,12 +171,15 @@ class LLMDecode:
                 logger.warning("request %s ended after %.1f s without a first chunk from this replica "
                                "(requests vLLM holds now: %s)", request.request_id, waited, self._unfinished())
 
-    async def _generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+    async def _generate(self, request: DecodeRequest, trace: dict[str, str] | None = None
+                        ) -> AsyncIterator[DecodeChunk]:
+        """`trace`: the decode span's context, the parent of this call's spans and vLLM's."""
         mark("decode.start", request.request_id)
         if any(fingerprint_of(k) != self.fingerprint for k in request.media_keys):
             yield DecodeChunk(error=model_changed())  # keyed by an ingress that has not seen the update yet
             return
-        features = await self._features(request)
+        with tracing.span("decode.features", trace):  # waits for this request's encodes, reads the cache
+            features = await self._features(request)
         if isinstance(features, DecodeChunk):  # an encode's error, or keys to compute again
             yield features
             return
@@ -178,7 +191,7 @@ class LLMDecode:
             except IrisError as err:
                 yield DecodeChunk(error=err)
                 return
-            outputs = self.engine.generate(prompt, params, request.request_id)
+            outputs = self.engine.generate(prompt, params, request.request_id, trace_headers=trace)
             async with aclosing(self.outputs.chunks(outputs, request)) as chunks:
                 async for chunk in chunks:
                     yield chunk

@@ -21,6 +21,7 @@ from ray.serve import metrics
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck, stamp_fingerprint
+from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, StageQueueMetrics, latency_histogram
 from deployments.stage_trace import mark
@@ -36,6 +37,7 @@ GPU_BATCH_SIZE = 8  # encoder_batch_size "auto" on a GPU
 class _Queued:
     pixels: PixelInputs
     cost: int  # in the batch's budget units (see __init__)
+    forward: tuple | None = None  # with tracing on: (start ns, end ns, batch size, batch number) of its forward pass
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -44,6 +46,7 @@ class VisionEncoder:
         on_gpu = torch.cuda.is_available()
         if not on_gpu and config.encoder_cpu_threads:
             torch.set_num_threads(config.encoder_cpu_threads)
+        tracing.setup(config.tracing, "encoder")
         self.vision = config.vision_model()
         self.vision.load_encoder()
         self.fingerprint = self.vision.fingerprint()
@@ -79,16 +82,21 @@ class VisionEncoder:
         each with how its features reach the decoder: "embeddings" or "connector"."""
         return {m: self.vision.forms[m].delivery for m in self.vision.modalities}
 
-    async def encode(self, key: str, pixels: PixelInputs | IrisError, tenant: str = "default"
-                     ) -> EncodedMedia | IrisError:
+    async def encode(self, key: str, pixels: PixelInputs | IrisError, tenant: str = "default",
+                     trace: dict[str, str] | None = None) -> EncodedMedia | IrisError:
         """Features for `key` as an object-store reference. `pixels` is Preprocess's result
-        (Serve resolves the pending response the ingress passed); its client error passes through."""
+        (Serve resolves the pending response the ingress passed); its client error passes through.
+        `trace`: the request's trace context (deployments/tracing.py)."""
         mark("encoder.start", key)
         if isinstance(pixels, IrisError):
             return pixels
         self.encoding += 1
         try:
-            return await self._encode(key, pixels, tenant)
+            with tracing.span("encoder", trace) as span:
+                encoded = await self._encode(key, pixels, tenant)
+                if span.is_recording() and isinstance(encoded, EncodedMedia):
+                    span.set_attribute("iris.num_tokens", encoded.num_tokens)  # no encoder.forward child: found cached
+                return encoded
         finally:
             self.encoding -= 1
 
@@ -110,7 +118,13 @@ class VisionEncoder:
             # Large images weigh more in the tenant's share: the forward pass costs by tokens.
             async with self.gate.slot(tenant, pixels.num_tokens) as waited:
                 self.queue_seconds.observe(waited, tenant)
-                features = await self._forward(_Queued(pixels, cost))
+                queued = _Queued(pixels, cost)
+                features = await self._forward(queued)
+            if queued.forward is not None:  # the batch this image rode in, inside this request's trace
+                start_ns, end_ns, size, number = queued.forward
+                tracing.ended_span("encoder.forward", start_ns, end_ns,
+                                   {"iris.encoder.batch_size": size, "iris.encoder.batch": number,
+                                    "iris.queue_seconds": waited})
             # The fingerprint in the value lets every reader check it against the key's.
             return [stamp_fingerprint(features, self.fingerprint)]
 
@@ -132,6 +146,11 @@ class VisionEncoder:
         self.batch_size.observe(len(batch))
         self.images_encoded += len(batch)
         self.batches += 1
+        if tracing.enabled():
+            end_ns = time.time_ns()
+            start_ns = end_ns - int((time.perf_counter() - start) * 1e9)
+            for q in batch:
+                q.forward = (start_ns, end_ns, len(batch), self.batches)
         return features
 
     def stats(self) -> dict:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import tracing
 from deployments.admission import Admission, caller
 from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
@@ -41,6 +42,7 @@ from pipeline.stage_io import DecodeRequest
 from pipeline.tenancy.limits import Ticket
 
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
+app.add_middleware(tracing.RequestSpans)  # each request's root span; passes straight through with tracing off
 
 
 @app.exception_handler(IrisError)
@@ -61,6 +63,7 @@ class Ingress:
     def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,
                  decode: DeploymentHandle):
         self.config = config
+        tracing.setup(config.tracing, "ingress")
         self.decode = decode
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
@@ -119,18 +122,21 @@ class Ingress:
     async def _open_chat(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         mark("ingress.received", request_id)
-        chat = parse_chat_request(await self._body(request), self.config.max_images_per_prompt,
-                                  self.config.max_videos_per_prompt)
+        with tracing.span("ingress.parse"):
+            chat = parse_chat_request(await self._body(request), self.config.max_images_per_prompt,
+                                      self.config.max_videos_per_prompt)
         mark("ingress.parsed", request_id)
         check_max_tokens(chat.sampling, self.config.max_tokens_limit)
         self._check_model(chat.model)
         await self.admission.admit(ticket, len(chat.media))  # before any media work
         for attempt in range(2):
             media = await self.features.resolve(chat, ticket.tenant)
+            tracing.tag_request(request_id=request_id, images_cached=media.cached, images_computed=media.computed,
+                                cache=tracing.cache_outcome(media.cached, media.computed))
             try:
                 stream = await self._open_decode(DecodeRequest(
                     request_id, messages_for_template(chat.messages), media.keys, chat.sampling, media.delivered,
-                    ticket.tenant, modalities=media.modalities), media)
+                    ticket.tenant, modalities=media.modalities, trace=tracing.carrier()), media)
                 break
             except IrisError as err:
                 # A rolling update: a stage already runs other weights or preprocessing than the
@@ -156,8 +162,9 @@ class Ingress:
         self._check_model(req.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.admission.admit(ticket, 0)
+        tracing.tag_request(request_id=request_id)
         stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=ticket.tenant,
-                                                                    prompt=prompt))
+                                                                    prompt=prompt, trace=tracing.carrier()))
         model = self.config.model_name
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         return stream, Reply(req.stream, lambda chunks: openai_format.text_events(chunks, request_id, model,
@@ -187,6 +194,7 @@ class Ingress:
         whole. The ticket (the tenant's limits) is given back when the answer ends, however it ends."""
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        tracing.tag_request(tenant, model=self.config.model_name)
         ticket = self.admission.ticket(tenant)
         try:
             async with asyncio.timeout_at(deadline):

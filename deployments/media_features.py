@@ -34,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, uuid_key
+from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, RequestMetrics
 from deployments.stage_trace import mark
@@ -111,15 +112,24 @@ class MediaFeatures:
             if item.modality not in self._modalities:
                 raise bad_request(f"this model takes no {item.modality} input (it takes "
                                   f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
-        datas = list(await asyncio.gather(*(
-            load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
-            if item.url is not None else asyncio.sleep(0) for item in chat.media)))
-        keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
-        media = RequestMedia(keys, datas, [item.name for item in chat.media], [item.modality for item in chat.media],
-                             tenant)
-        unique = list(dict.fromkeys(keys))
-        unknown = [k for k in unique if k not in self._known and k not in self._inflight]
-        present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
+        with tracing.span("ingress.fetch"):
+            datas = list(await asyncio.gather(*(
+                load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
+                if item.url is not None else asyncio.sleep(0) for item in chat.media)))
+        with tracing.span("ingress.cache_lookup") as lookup:
+            keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
+            media = RequestMedia(keys, datas, [item.name for item in chat.media],
+                                 [item.modality for item in chat.media], tenant)
+            unique = list(dict.fromkeys(keys))
+            unknown = [k for k in unique if k not in self._known and k not in self._inflight]
+            present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
+            if lookup.is_recording():  # by where each distinct item was found
+                hits = sum(present.values())
+                lookup.set_attributes({
+                    "iris.cache.items": len(unique), "iris.cache.upload_free": datas.count(None),
+                    "iris.cache.known": sum(k in self._known for k in unique),  # remembered present: not asked
+                    "iris.cache.in_flight": sum(k in self._inflight for k in unique),  # being computed here
+                    "iris.cache.redis_hits": hits, "iris.cache.misses": len(present) - hits})
         mark("ingress.looked_up")
         self.cache_metrics.export()
         missing = [item for item, key in zip(chat.media, keys)
@@ -200,7 +210,7 @@ class MediaFeatures:
                 i = media.keys.index(key)
                 modality = media.modalities[i]
                 job = MediaJob(media.names[i], key, media.datas[i], modality, media.tenant,
-                               keep_source=self._modalities.get(modality) == CONNECTOR)
+                               keep_source=self._modalities.get(modality) == CONNECTOR, trace=tracing.carrier())
                 self._inflight[key] = self._start(job)
                 own.append(key)
         if not own and not joined:
@@ -225,7 +235,7 @@ class MediaFeatures:
         # Serve passes Preprocess's pending result into the encoder call (model composition):
         # the pixels go through the object store, and Preprocess is free once they are made.
         pixels = context.run(self.preprocess.pixels.remote, job)
-        encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant)
+        encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant, job.trace)
         submitted = loop.create_task(encoded._to_object_ref(), context=context)
         return Encoding(submitted, loop.create_task(self._finish(job, pixels, encoded, submitted), context=context))
 

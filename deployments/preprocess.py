@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from ray import serve
 
+from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import StageQueueMetrics, latency_histogram
 from deployments.stage_trace import mark
@@ -34,6 +35,7 @@ class Preprocess:
     def __init__(self, config: IrisConfig):
         if config.preprocess_cpu_threads:
             torch.set_num_threads(config.preprocess_cpu_threads)
+        tracing.setup(config.tracing, "preprocess")
         # vLLM's processor only: no weights here.
         self.vision = config.vision_model()
         self.vision.preprocess(Image.new("RGB", (64, 64)))  # lazy imports now, not racing in the first burst
@@ -77,9 +79,13 @@ class Preprocess:
         mark("preprocess.queued", job.key)
         self.preprocessing += 1
         try:
-            async with self.gate.slot(job.tenant) as waited:
-                self.queue_seconds.observe(waited, job.tenant)
-                return await self._preprocess(job)
+            with tracing.span("preprocess", job.trace) as span:
+                async with self.gate.slot(job.tenant) as waited:
+                    self.queue_seconds.observe(waited, job.tenant)
+                    if span.is_recording():
+                        span.set_attributes({"iris.modality": job.modality, "iris.bytes": len(job.data),
+                                             "iris.queue_seconds": waited})
+                    return await self._preprocess(job)
         finally:
             self.preprocessing -= 1
 

@@ -11,6 +11,7 @@ Ingress -> LLMDecode: `DecodeRequest` with the cache keys of its images and vide
   before they finish: the decoder waits for those and takes the features directly,
   while the Redis write runs behind the response.
 LLMDecode -> Ingress: `DecodeChunk`s (several token deltas merged per chunk).
+A request's OpenTelemetry context travels in `trace` (deployments/tracing.py).
 
 Errors: a stage that refuses its input (a bad image, a prompt too long) answers with
 an `IrisError` as a value (Preprocess, VisionEncoder) or in `DecodeChunk.error`;
@@ -33,6 +34,7 @@ class MediaJob:
     modality: str = "image"
     tenant: str = "default"  # whose turn it is in the stages' fair sharing (pipeline/tenancy/fair_gate.py)
     keep_source: bool = False  # the features carry `data` (the decoder's engine needs the item: EC connector)
+    trace: dict[str, str] | None = None  # W3C trace context (traceparent) of the request's span; None: tracing off
 
 
 @dataclass
@@ -54,6 +56,7 @@ class DecodeRequest:
     tenant: str = "default"  # salts vLLM's prefix cache (pipeline/tenancy/tenant.py cache_salt)
     prompt: str | None = None  # /v1/completions: a text prompt instead of messages
     modalities: list[str] = field(default_factory=list)  # of media_keys; empty: all images
+    trace: dict[str, str] | None = None  # W3C trace context (traceparent) of the request's span; None: tracing off
 
 
 @dataclass

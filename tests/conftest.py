@@ -31,6 +31,8 @@ def pytest_configure(config):
     # engine-core process, as vLLM does on one GPU, instead of a worker process of its own (vLLM's
     # CPU default): one process fewer to start per engine, the same computation.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The traced apps' spans (tests/test_tracing.py) leave every 0.2 s, not OpenTelemetry's 5 s.
+    os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
 
 
 # Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
@@ -38,7 +40,8 @@ def pytest_configure(config):
 # to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each. test_rollout
 # updates the Qwen2-VL app in place, so it comes last.
 APP_SHARING_ORDER = [("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
-                     ("test_families", None), ("test_serving", "qwen2_vl"), ("test_rollout", None)]
+                     ("test_tracing", None), ("test_families", None), ("test_serving", "qwen2_vl"),
+                     ("test_rollout", None)]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture parameters

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace
+from tests.support.otlp_receiver import trace_receiver
 
 # Custom resources of the session's two Ray nodes (conftest's serve_instance): what a real
 # cluster's CPU nodes and GPU nodes are told apart by, here on one machine.
@@ -66,7 +67,9 @@ def reference_args(checkpoint: str, dtype: str = "float32", served_model_name: s
             # test_serving: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
             "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
                       "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
-            "tenant_header": "X-Iris-Tenant"}  # test_serving plays the trusted gateway
+            "tenant_header": "X-Iris-Tenant",  # test_serving plays the trusted gateway
+            # Traced, to the test process's receiver (tests/test_tracing.py reads what it got).
+            "tracing": {"otlp_endpoint": trace_receiver().endpoint, "protocol": "http/protobuf"}}
 
 
 @contextmanager
