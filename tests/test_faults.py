@@ -93,6 +93,10 @@ def _stats(deployment: str) -> dict:
     return running_app(APP).stats(deployment, timeout_s=30)
 
 
+def _ingress_counts(base: str) -> dict:
+    return httpx.get(f"{base}/iris/stats", timeout=30).json()["ingress"]
+
+
 def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -273,6 +277,16 @@ def test_timeout_is_504_and_aborts_the_decode(redis_up):
 # --------------------------------------------------------------------------- clients that leave
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_client_disconnect_aborts_the_decode(redis_up, stream):
+    """A client that leaves ends its decode: LLMDecode counts a generate() call whose caller went
+    away (not LIMIT tokens finished). A streamed request's abort comes from the disconnect itself
+    (15-125 ms here): the ingress answered no 504, the deadline's way of ending it. A non-streamed
+    request's does too as a rule (18-165 ms; 5 of 5 tries through HAProxy, 6 of 6 straight to the
+    Ingress replica), but behind HAProxy the first one after
+    a streamed request's disconnect ran on until its deadline in 3 of 4 tries (2026-12-04,
+    docs/api.md); so for it the test holds the deadline's bound only. The old fixed 3 s window
+    also failed CI by 6 ms (2026-12-03)."""
+    left_early = _stats("LLMDecode")["left_early"]
+    timeouts = _ingress_counts(redis_up).get("requests_server_error", 0)
     request = _RawRequest(redis_up, "/v1/chat/completions", _long_body(stream=stream))
     try:
         _wait_for(lambda: _stats("LLMDecode")["generating"] == 1, 10, "the decode started")
@@ -280,7 +294,10 @@ def test_client_disconnect_aborts_the_decode(redis_up, stream):
         assert _stats("LLMDecode")["engine_unfinished"] == 1  # still generating: far from LIMIT tokens
     finally:
         request.disconnect()
-    _wait_for(_decode_idle, 3, "vLLM aborted the abandoned request")
+    _wait_for(lambda: _decode_idle() and _stats("LLMDecode")["left_early"] == left_early + 1, TIMEOUT_S + 5,
+              "vLLM aborted the abandoned request")
+    if stream:
+        assert _ingress_counts(redis_up).get("requests_server_error", 0) == timeouts, "the deadline ended it"
 
 
 def test_client_disconnect_stops_image_work(redis_up):
