@@ -33,10 +33,12 @@ def pytest_configure(config):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-# Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
-# as (module, its `app` fixture's param or None for all), in the order that hands each app from one
-# to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each.
-APP_SHARING_ORDER = [("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
+# Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint; the
+# tenants app of tests/test_serving_tenants.py, which tests/test_dashboard.py loads), as (module, its
+# `app` fixture's param or None for all), in the order that hands each app from one to the next:
+# AppPool keeps one idle app, so each of these apps starts once.
+APP_SHARING_ORDER = [("test_serving_tenants", None), ("test_dashboard", None),
+                     ("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
                      ("test_families", None), ("test_serving", "qwen2_vl")]
 
 
@@ -158,6 +160,9 @@ def ray_dashboard():
     from tests.support.apps import ACCELERATOR_NODE, CPU_NODE
 
     dashboard_port = free_port()
+    # Every process exports its metrics every 2 s, not Ray's 10 s, so that tests reading them (on the
+    # metrics endpoint, or through Prometheus: tests/test_dashboard.py) wait seconds, not tens.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
     # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
     os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
     cluster = Cluster(initialize_head=True, head_node_args={
