@@ -163,6 +163,9 @@ def ray_dashboard():
     # Every process exports its metrics every 2 s, not Ray's 10 s, so that tests reading them (on the
     # metrics endpoint, or through Prometheus: tests/test_dashboard.py) wait seconds, not tens.
     os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
+    # Ray drops a gauge not set within two report intervals (4 s now); Serve's controller sets its status
+    # gauges (serve_deployment_replica_healthy) every 10 s by default: every second here.
+    os.environ.setdefault("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", "1")
     # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
     os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
     cluster = Cluster(initialize_head=True, head_node_args={
