@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,8 @@ def expand(expr: str, application: str = ".*", rate_interval: str = "1m") -> str
 
 
 def _label(legend: str, metric: dict) -> str:
-    out = legend
-    for key, value in metric.items():
-        out = out.replace("{{" + key + "}}", value)
-    return out.replace("{{", "").replace("}}", "").strip() or "value"
+    """Grafana's legendFormat: {{label}} is the series' value of it, empty where it has none."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: metric.get(m.group(1), ""), legend).strip() or "value"
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step_s: float) -> list[dict]:
