@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 from ray.serve import metrics
@@ -11,6 +13,9 @@ from pipeline.tenancy.tenant import metric_tenant
 
 # Stats that are levels, not running counts.
 GAUGES = {"degraded", "l1_bytes", "l1_entries"}
+# Ray drops a gauge's series once it goes two metrics report intervals (1 s at least) without a set():
+# levels are set again this often, not only when a request passes.
+GAUGE_REFRESH_S = 1.0
 _LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
 
@@ -29,6 +34,14 @@ class CacheMetrics:
             "their keys are misses",
         )
         self._last: dict[str, float] = {}
+        # The level stays on the dashboard while the replica is idle (a thread: replicas build this in
+        # sync and async constructors alike).
+        threading.Thread(target=self._keep_level, name="iris-cache-degraded-gauge", daemon=True).start()
+
+    def _keep_level(self) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            self.degraded.set(self.cache.counters.degraded)
 
     def export(self) -> None:
         snapshot = self.cache.stats()

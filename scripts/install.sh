@@ -29,6 +29,18 @@ if [ "$(uname -s)/$(uname -m)" != Linux/x86_64 ]; then
   exit 2
 fi
 
+# Not Python: the test suite's dashboard test (tests/test_dashboard.py) runs a real Prometheus. Installed
+# here from Debian's package when run as root with apt; otherwise said how.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; } \
+      || echo "iris: could not apt-get install prometheus; the tests need it (tests/test_dashboard.py)" >&2
+  else
+    echo "iris: the tests need Prometheus (tests/test_dashboard.py): \`sudo apt-get install prometheus\`" \
+         "(Debian/Ubuntu), or a prometheus binary on PATH" >&2
+  fi
+fi
+
 # The stamp records what was installed; same inputs (this script, pyproject.toml, the lock,
 # the device) -> nothing to do.
 STAMP="$VENV/.iris-install-stamp"

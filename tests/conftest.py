@@ -35,11 +35,13 @@ def pytest_configure(config):
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
 
 
-# Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint),
-# as (module, its `app` fixture's param or None for all), in the order that hands each app from one
-# to the next: AppPool keeps one idle app, so LLaVA's and Qwen2-VL's apps start once each. test_rollout
-# updates the Qwen2-VL app in place, so it comes last.
-APP_SHARING_ORDER = [("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
+# Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint; the
+# tenants app of tests/test_serving_tenants.py, which tests/test_dashboard.py loads), as (module, its
+# `app` fixture's param or None for all), in the order that hands each app from one to the next:
+# AppPool keeps one idle app, so each of these apps starts once. test_rollout updates the Qwen2-VL
+# app in place, so it comes last.
+APP_SHARING_ORDER = [("test_serving_tenants", None), ("test_dashboard", None),
+                     ("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
                      ("test_tracing", None), ("test_families", None), ("test_serving", "qwen2_vl"),
                      ("test_rollout", None)]
 
@@ -162,6 +164,12 @@ def ray_cluster():
     from bench.harness.systems import haproxy_env
     from tests.support.apps import ACCELERATOR_NODE, ACCELERATOR_NODE_ARGS, CPU_NODE
 
+    # Every process exports its metrics every 2 s, not Ray's 10 s, so that tests reading them (on the
+    # metrics endpoint, or through Prometheus: tests/test_dashboard.py) wait seconds, not tens.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
+    # Ray drops a gauge not set within two report intervals (4 s now); Serve's controller sets its status
+    # gauges (serve_deployment_replica_healthy) every 10 s by default: every second here.
+    os.environ.setdefault("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", "1")
     # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
     os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
     cluster = Cluster(initialize_head=True, head_node_args={

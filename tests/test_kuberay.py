@@ -1,7 +1,8 @@
 """cluster/: the RayService is generated (never edited by hand), valid against KubeRay's
 own CRD schema with unknown fields rejected and no field KubeRay ignores, places GPU
 deployments on GPU pods only, and reaches a password-protected Redis with LRU eviction
-that only Iris's Ray pods may reach (NetworkPolicy), with probes that really answer.
+that only Iris's Ray pods may reach (NetworkPolicy), with probes that really answer; the Grafana
+dashboard ships as a ConfigMap that Grafana's sidecar loads.
 The alternative Redis Cluster (redis-cluster.yaml) has the cluster flags, the Secret, a
 persistent nodes.conf and a Job that forms it once (run for real). The Redis and
 NetworkPolicy manifests pass Kubernetes' own (vendored) schemas. The image is built from
@@ -283,6 +284,7 @@ K8S_SCHEMA_FILES = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
     ("apps/v1", "StatefulSet"): "statefulset-apps-v1.json",
     ("batch/v1", "Job"): "job-batch-v1.json",
+    ("v1", "ConfigMap"): "configmap-v1.json",
 }
 
 
@@ -322,6 +324,38 @@ def test_manifests_match_kubernetes_schemas(k8s_validators, name, kinds):
     assert [d["kind"] for d in docs] == kinds
     for doc in docs:
         assert _k8s_errors(k8s_validators, doc) == [], doc["kind"]
+
+
+def _generated_config_maps() -> list[dict]:
+    """kustomization.yaml's configMapGenerator rendered as `kubectl apply -k` renders it: a ConfigMap per
+    entry, each file under its base name, the entry's labels, and no name-suffix hash where disabled."""
+    kustomization = yaml.safe_load((ROOT / "cluster/kustomization.yaml").read_text())
+    out = []
+    for entry in kustomization.get("configMapGenerator", []):
+        options = entry.get("options", {})
+        assert options.get("disableNameSuffixHash"), f"{entry['name']}: the hash suffix renames it on every change"
+        out.append({"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": entry["name"], "labels": options.get("labels", {})},
+                    "data": {Path(f).name: (ROOT / "cluster" / f).read_text() for f in entry["files"]}})
+    return out
+
+
+def test_grafana_dashboard_config_map_renders(k8s_validators):
+    """The Grafana dashboard as a ConfigMap that Grafana's dashboard sidecar loads (label
+    grafana_dashboard: "1"): valid against Kubernetes' schema, the dashboard JSON intact, under the
+    ConfigMap size limit (1 MiB)."""
+    maps = {m["metadata"]["name"]: m for m in _generated_config_maps()}
+    dashboard = maps["iris-grafana-dashboard"]
+    assert _k8s_errors(k8s_validators, dashboard) == []
+    assert dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}  # a string: labels are strings
+    text = dashboard["data"]["iris-dashboard.json"]
+    assert json.loads(text)["uid"] == "iris" and len(text.encode()) < 1 << 20
+
+
+def test_a_broken_config_map_fails(k8s_validators):
+    dashboard = copy.deepcopy(_generated_config_maps()[0])
+    dashboard["metadata"]["labels"]["grafana_dashboard"] = 1  # unquoted in YAML: an int, which Kubernetes refuses
+    assert any("labels" in e for e in _k8s_errors(k8s_validators, dashboard))
 
 
 def _redis_container(docs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -32,12 +33,21 @@ IMAGES_PER_MINUTE = 2
 PROMPT_TOKENS_PER_MINUTE = 30
 
 
-@pytest.fixture(scope="module")
-def tenants_app(iris_apps, tiny_checkpoint, tmp_path_factory):
-    keys_file = tmp_path_factory.mktemp("keys") / "api_keys.json"
+# The app's Serve config: tests/test_dashboard.py uses the same app (AppPool, conftest's APP_SHARING_ORDER).
+CONFIG = {"import_path": "deployments.app:build_app",
+          "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+          # Both on the proxy's node: Serve's proxy prefers replicas on its own node, so one
+          # replica elsewhere would see no traffic at all.
+          "deployments": [{"name": "Ingress", "num_replicas": 2,
+                           "ray_actor_options": {"num_cpus": 0.5, "resources": {CPU_NODE: 1}}}]}
+
+
+def app_args(checkpoint: str) -> dict:
+    """The app's args; the keys file is this run's (named by RUN), so another module's args are the same."""
+    keys_file = Path(tempfile.gettempdir()) / f"iris-test-api-keys-{RUN}.json"
     keys_file.write_text(json.dumps({**{t: [k] for t, k in KEYS.items()}, "alpha": [KEYS["alpha"], ALPHA_2]}))
-    args = {
-        "model": tiny_checkpoint("llava"),
+    return {
+        "model": checkpoint,
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},
         "auth": {"api_keys_file": str(keys_file)},
         "tenant_limits": {"tenants": {
@@ -45,14 +55,14 @@ def tenants_app(iris_apps, tiny_checkpoint, tmp_path_factory):
             "images": {"images_per_minute": IMAGES_PER_MINUTE},
             "tokens": {"prompt_tokens_per_minute": PROMPT_TOKENS_PER_MINUTE}}},
     }
-    config = {"import_path": "deployments.app:build_app",
-              "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
-              # Both on the proxy's node: Serve's proxy prefers replicas on its own node, so one
-              # replica elsewhere would see no traffic at all.
-              "deployments": [{"name": "Ingress", "num_replicas": 2,
-                               "ray_actor_options": {"num_cpus": 0.5, "resources": {CPU_NODE: 1}}}]}
+
+
+@pytest.fixture(scope="module")
+def tenants_app(iris_apps, tiny_checkpoint):
     started = time.monotonic()
-    with iris_apps.use(APP, args, route_prefix="/tenants", config=config) as app:
+    # Kept for tests/test_dashboard.py, which conftest runs next.
+    with iris_apps.use(APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG,
+                       keep=True) as app:
         print(f"tenants app up in {time.monotonic() - started:.0f} s")
         yield app
 
