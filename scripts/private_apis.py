@@ -82,11 +82,16 @@ PRIVATE_APIS: tuple[Private, ...] = (
             ("tests/test_image_affinity_router.py",), "Serve's in-memory fake replicas"),
     Private("ray", "ray._common.utils", "import_attr", "attr", ("tests/test_configs.py",),
             "resolve a config's import_path exactly as Serve does"),
-    Private("ray", "ray._private.worker", "global_worker", "attr", ("tests/test_serving_tenants.py",),
-            "the Ray session's log folder (no secret may reach any log)"),
+    Private("ray", "ray._private.worker", "global_worker", "attr",
+            ("tests/support/prometheus.py", "tests/test_serving_tenants.py"),
+            "the Ray session's folder: its log folder (no secret may reach any log), and its Prometheus "
+            "service-discovery file (/tmp/ray's link may point at another session on a shared machine)"),
     _ray_serve_env("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
                    ("deployments/ingress.py", "serve_config.yaml", "cluster/rayservice.yaml"),
                    "the ingress's FastAPI code on the replica's event loop (one thread hop less a request)"),
+    _ray_serve_env("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", ("tests/conftest.py",),
+                   "the dashboard test's healthy-replica panel: Serve's status gauges every second, not every "
+                   "10 s, which Ray drops between its (test-shortened) metric reports"),
     _ray_serve_env("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", ("bench/autoscale.py",),
                    "the autoscaling benchmark's queue lengths every second, not every 10 s"),
     _ray_serve_env("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", ("bench/autoscale.py",),

@@ -31,7 +31,7 @@ from tests.support.images import REFERENCE_TEXT, data_url, image_part, unique_pn
 
 ROOT = Path(__file__).resolve().parent.parent
 # Ray Serve's own metrics the dashboard shows (checked against the installed Ray's source below).
-RAY_SERVE_METRICS = {"serve_deployment_replica_healthy"}
+SERVE_METRICS_SHOWN = {"serve_deployment_replica_healthy"}
 _SUFFIXES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_sum", "_count")}
 _CONSTRUCTORS = {"Counter": "Counter", "Gauge": "Gauge", "Histogram": "Histogram",
                  "latency_histogram": "Histogram"}  # deployments/metrics.py's helper
@@ -97,8 +97,8 @@ def test_iris_metrics_are_found_in_the_code():
 
 def test_every_panel_queries_only_declared_metrics():
     known = exported_names(_iris_metrics()) | exported_names(
-        {n: k for n, k in _ray_serve_metrics().items() if n in RAY_SERVE_METRICS})
-    assert RAY_SERVE_METRICS <= set(_ray_serve_metrics()), "a Ray Serve metric the dashboard shows is not in Ray"
+        {n: k for n, k in _ray_serve_metrics().items() if n in SERVE_METRICS_SHOWN})
+    assert SERVE_METRICS_SHOWN <= set(_ray_serve_metrics()), "a Ray Serve metric the dashboard shows is not in Ray"
     unknown = {(q.panel, name) for q in panel_queries() for name in metric_names(q.expr) if name not in known}
     assert not unknown, f"panels query metrics that neither Iris nor Ray Serve declares: {sorted(unknown)}"
 
