@@ -55,7 +55,8 @@ class Admission:
         try:
             await self.limiter.admit(ticket, images)
         except IrisError as err:
-            self.metrics.rate_limited(ticket.tenant, err.extra.get("limit", ""))
+            if err.status_code == 429:  # not the 400 of a request with more images than a minute allows
+                self.metrics.rate_limited(ticket.tenant, err.extra["limit"])
             raise
         self.metrics.admitted(ticket.tenant)
 
