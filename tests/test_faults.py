@@ -31,7 +31,7 @@ from bench.harness.metrics import parse
 from bench.harness.systems import SERVED_NAME
 from bench.harness.workloads import ImageSpec, WorkloadFactory
 from tests.cache_fixtures import private_redis
-from tests.support.apps import metrics_text, running_app
+from tests.support.apps import metrics_text, run_on_fresh_loop, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, image_part, png_bytes
 from tests.support.sse import sse_events
 
@@ -79,16 +79,6 @@ def redis_up(fault_app, redis_server):
 
 
 # --------------------------------------------------------------------------- helpers
-def _run(coro):
-    """`coro` on a loop of its own; unlike asyncio.run, leaves no "no current event loop"
-    state behind for the tests that run after this module."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 def _stats(deployment: str) -> dict:
     return running_app(APP).stats(deployment, timeout_s=30)
 
@@ -344,7 +334,7 @@ def test_redis_killed_and_restarted_under_load(redis_up, redis_server):
         await until(health_redis, 10, "/health says Redis is back")
         await asyncio.sleep(4)
 
-    records, _ = _run(_load_while(base, _mixed(seed=int(time.time())), 4, outage))
+    records, _ = run_on_fresh_loop(_load_while(base, _mixed(seed=int(time.time())), 4, outage))
     failed = [r.to_dict() for r in records if not r.ok]
     assert not failed, failed[:3]
     # The load ran through the outage and after it (start_s is close to the runner's t0).
@@ -418,7 +408,7 @@ def test_replica_killed_mid_run(redis_up, deployment):
             outcome["long"] = await long_request
 
     try:
-        records, _ = _run(_load_while(base, _new_images(seed=int(time.time())), 3, kill))
+        records, _ = run_on_fresh_loop(_load_while(base, _new_images(seed=int(time.time())), 3, kill))
         problems = _outcome_problems(records)
         assert not problems, problems[:3]
         if "long" in outcome:

@@ -26,7 +26,7 @@ import ray
 import yaml
 from ray import serve
 
-from tests.support.apps import ACCELERATOR_NODE, ACCELERATOR_NODE_ARGS, CPU_NODE
+from tests.support.apps import ACCELERATOR_NODE, ACCELERATOR_NODE_ARGS, CPU_NODE, run_on_fresh_loop
 from tests.support.images import data_url, unique_png
 from tests.support.sse import DONE, sse_events
 
@@ -44,15 +44,6 @@ PREPROCESS_NODE = "iris_preprocess_node"
 PREPROCESS_NODE_ARGS = {"num_cpus": 2, "resources": {PREPROCESS_NODE: 1000}, "object_store_memory": 256 << 20}
 PLACEMENT = {"Ingress": CPU_NODE, "Preprocess": PREPROCESS_NODE, "VisionEncoder": ACCELERATOR_NODE,
              "LLMDecode": ACCELERATOR_NODE}
-
-
-def _run(coro):
-    """`coro` on a loop of its own (as tests/test_faults.py: no event-loop state left behind)."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 def _alive_node_id(resource: str) -> str | None:
@@ -200,7 +191,7 @@ def _lose_node(cluster, dashboard: str, base: str, resource: str, node_args: dic
     assert _replica_nodes(dashboard, deployments) == {name: {victim.node_id} for name in deployments}
     marks: dict[str, float] = {}
     stop, outcomes = threading.Event(), []
-    load = threading.Thread(target=lambda: _run(_load(base, stop, outcomes)))
+    load = threading.Thread(target=lambda: run_on_fresh_loop(_load(base, stop, outcomes)))
     load.start()
     try:
         time.sleep(3)  # the load runs; requests are in flight at every stage
@@ -217,7 +208,7 @@ def _lose_node(cluster, dashboard: str, base: str, resource: str, node_args: dic
                 nodes = _replica_nodes(dashboard, deployments)
                 if all(n and victim.node_id not in n for n in nodes.values()) and _healthy():
                     marks["healthy"] = time.monotonic()
-            probe = _run(_probe(base))
+            probe = run_on_fresh_loop(_probe(base))
             if probe.ok and "healthy" in marks:
                 marks["answered"] = probe.end
                 break

@@ -32,7 +32,7 @@ import pytest
 from ray import serve
 
 from bench.harness.systems import SERVED_NAME as NAME
-from tests.support.apps import reference_args, running_app
+from tests.support.apps import reference_args, run_on_fresh_loop, running_app
 from tests.support.images import data_url, unique_png
 
 CLIENTS = 3
@@ -139,15 +139,6 @@ async def _load_during(roll, url: str, inputs: list[str], images: dict[str, byte
     return results, rolled
 
 
-def _run(coro):
-    """`coro` on a loop of its own, closed after (as tests/test_faults.py: no loop state left behind)."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 def _fingerprint(url: str) -> str:
     return httpx.get(f"{url}/iris/stats", timeout=30).json()["model"]["fingerprint"]
 
@@ -176,7 +167,7 @@ def _roll_under_load(app, new_args: dict, seed: int) -> dict:
     images = {f"image-{seed}-{i}": unique_png(seed * 100 + i, IMAGE_SIZE) for i in range(IMAGES_PER_ROLL)}
     inputs = list(images) + TEXTS
     old_fingerprint = _fingerprint(url)
-    old = _run(_answers(url, inputs, images))  # the old model's answers (its features now cached)
+    old = run_on_fresh_loop(_answers(url, inputs, images))  # the old model's answers (its features now cached)
 
     def roll():
         # Two Ingress replicas, so that one serves while Serve replaces the other (one replica
@@ -186,10 +177,10 @@ def _roll_under_load(app, new_args: dict, seed: int) -> dict:
                   name=app.name, route_prefix=prefix)  # returns once the app runs again
 
     started = time.monotonic()
-    sent, rolled = _run(_load_during(roll, url, inputs, images))
+    sent, rolled = run_on_fresh_loop(_load_during(roll, url, inputs, images))
     roll_s = rolled - started
     new_fingerprint = _fingerprint(url)
-    new = _run(_answers(url, inputs, images))
+    new = run_on_fresh_loop(_answers(url, inputs, images))
 
     failed = [(s.what, s.status, s.answer) for s in sent if s.status != 200]
     assert not failed, f"{len(failed)} of {len(sent)} requests failed during the update: {failed[:5]}"

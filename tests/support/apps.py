@@ -8,10 +8,11 @@ every module that asks for the same args, so an app two modules need is started 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +47,17 @@ class App:
     def stats(self, deployment: str, timeout_s: float | None = None) -> dict:
         """The deployment's `stats()` (every Iris stage has one)."""
         return self.handle(deployment).stats.remote().result(timeout_s=timeout_s)
+
+
+
+def run_on_fresh_loop(coro: Coroutine):
+    """`coro` on an event loop of its own, closed after: unlike asyncio.run, leaves no "no current
+    event loop" state behind for the tests that run after."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
 
 
 _RUNNING: dict[str, App] = {}
