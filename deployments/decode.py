@@ -61,6 +61,7 @@ class LLMDecode:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _bind_engine_cores()
+        _model_in_engine_process()
         tracing.setup(config.tracing, "decode")
         # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
         # the encoder's fingerprint (computed before the engine takes the device's memory).
@@ -303,6 +304,17 @@ def _system_fingerprint(vllm_config) -> str | None:
         return get_system_fingerprint(vllm_config)
     except Exception:  # as vLLM: never fail start-up over it
         return None
+
+
+def _model_in_engine_process() -> None:
+    """On a CPU-only node, run the model in vLLM's engine-core process, as vLLM does on one GPU.
+    vLLM's CPU default adds a worker process that busy-waits on a shared-memory queue for a second
+    after every step: 25-60 ms of CPU per request at 4 clients on the tiny LLaVA, taken from the
+    replica's other work and the node's (bench/results/host_cost/README.md). Same kernels, same
+    answers (the parity tests run this way). VLLM_ENABLE_V1_MULTIPROCESSING set by the user wins;
+    with tensor parallelism vLLM keeps its worker processes either way."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _bind_engine_cores() -> None:

@@ -1,5 +1,9 @@
-"""Engines on one CPU-only node get cores of their own (deployments/cpu_binding.py, LLMDecode)."""
+"""Engines on one CPU-only node get cores of their own (deployments/cpu_binding.py, LLMDecode), and
+run the model in vLLM's engine-core process, without the busy-waiting worker process of vLLM's CPU default."""
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -64,3 +68,31 @@ def test_binding_leaves_a_process_outside_serve_alone(monkeypatch):
     monkeypatch.setattr(decode.os, "environ", environ)
     decode._bind_engine_cores()  # no replica context here: nothing to go by
     assert environ == {}
+
+
+@pytest.mark.parametrize("cuda, environ, expected", [
+    (False, {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),  # CPU: no worker process
+    (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),  # the user's wins
+    (True, {}, {}),  # a GPU: vLLM's own layout (at one GPU the model is in the engine core already)
+])
+def test_decode_replica_runs_the_model_in_the_engine_process_on_cpu(monkeypatch, cuda, environ, expected):
+    import deployments.decode as decode
+
+    monkeypatch.setattr(decode.os, "environ", environ)  # the replica's, never this process's
+    monkeypatch.setattr(decode.torch.cuda, "is_available", lambda: cuda)
+    decode._model_in_engine_process()
+    assert environ == expected
+
+
+@pytest.mark.parametrize("multiprocessing, backend", [("0", "uni"), ("1", "mp")])
+def test_what_that_setting_does_in_vllm(tiny_checkpoint, multiprocessing, backend):
+    """vLLM 0.32's CPU platform keeps the "uni" executor (the model in the engine-core process) with
+    the setting, and switches to "mp" (a worker process of its own) without it. In a process of its
+    own: vLLM's CPU platform edits the environment (LD_PRELOAD) of whoever builds the config."""
+    code = ("import sys; from vllm.engine.arg_utils import EngineArgs; "
+            "c = EngineArgs(model=sys.argv[1], max_model_len=2048, enforce_eager=True).create_engine_config(); "
+            "print('backend=' + str(c.parallel_config.distributed_executor_backend))")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    out = subprocess.run([sys.executable, "-c", code, tiny_checkpoint("llava")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert f"backend={backend}" in out.stdout.splitlines(), out.stdout[-2000:] + out.stderr[-2000:]
