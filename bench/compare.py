@@ -130,7 +130,7 @@ def measure(system: systems.RunningSystem, point: LoadPoint, factory: WorkloadFa
     cores = getattr(args, "cores", None)
     placed = affinity.apply(system.root_pids, *cores) if cores else None
     snapshot = (host_work.Snapshot(system.root_pids, system.metrics_urls, getattr(args, "ray_event_stats_s", 0.0))
-                if system.name != "vllm" else None)
+                if systems.base_system(system.name) != "vllm" else None)
     before = snapshot.take() if snapshot else None
     meter = cpu_usage.Meter(system.root_pids)
     result = _drive(system, point, factory, args, image_chars, tokenizer, profiler, meter, round_, watch)
@@ -192,6 +192,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--video", action="store_true", help="the video points only (a model that takes video)")
     parser.add_argument("--model", default="builtin:bench-llava", help="any Iris model reference")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME@LABEL:KEY=VALUE[,KEY=VALUE]",
+                        help="a variant of system NAME started with this environment (for a Ray-based system, its "
+                        "Ray cluster's: every replica and engine), to list in --systems as NAME@LABEL beside NAME: "
+                        "an A/B of a setting in one run, e.g. iris-haproxy@mp:VLLM_ENABLE_V1_MULTIPROCESSING=1")
     parser.add_argument("--replicas", help="decode replica counts, e.g. 1,2 (default: 1,2; --quick: 1)")
     parser.add_argument("--points", help="comma-separated load point names to run (default: all of the plan)")
     parser.add_argument("--rounds", type=int, default=1, help="2 or more: the systems up side by side, taking "
@@ -221,6 +225,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """--variant values -> {NAME@LABEL: its environment}."""
+    variants = {}
+    for spec in specs:
+        name, _, pairs = spec.partition(":")
+        env = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+        if "@" not in name or systems.base_system(name) not in systems.SYSTEMS or not env:
+            raise SystemExit(f"--variant {spec!r}: expected NAME@LABEL:KEY=VALUE[,KEY=VALUE] with NAME one of "
+                             f"{', '.join(systems.SYSTEMS)}")
+        variants[name] = env
+    return variants
+
+
 def main(argv: list[str]) -> int:
     try:
         run = run_comparison(parse_args(argv), results.command_line("compare", argv))
@@ -240,8 +257,11 @@ def run_comparison(args, command: str) -> dict:
     names = (args.systems.split(",") if args.systems else
              ["iris", "rayllm", "vllm"] if args.quick else [s for s in systems.SYSTEMS if not s.endswith("-haproxy")])
     replica_counts = [int(x) for x in (args.replicas or ("1" if args.quick else "1,2")).split(",")]
-    if unknown := sorted(set(names) - set(systems.SYSTEMS)):
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(systems.SYSTEMS)}")
+    args.variant_env = parse_variants(args.variant)
+    if unknown := sorted(n for n in names if systems.base_system(n) not in systems.SYSTEMS
+                         or ("@" in n and n not in args.variant_env)):
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(systems.SYSTEMS)}, or a NAME@LABEL "
+                         "defined by --variant")
     plan = VIDEO if args.video else QUICK if args.quick else FULL
     if args.points:
         wanted = set(args.points.split(","))
@@ -263,7 +283,8 @@ def run_comparison(args, command: str) -> dict:
     # A router variant differs from its base system only when there are replicas to route between.
     # Without rounds each system runs alone, its points one after another; with rounds, a replica
     # count's systems run side by side.
-    groups = [[s for s in names if not (s in systems.ROUTER_VARIANTS and r == 1)] for r in replica_counts]
+    groups = [[s for s in names if not (systems.base_system(s) in systems.ROUTER_VARIANTS and r == 1)]
+              for r in replica_counts]
     memory = memory_plan.refuse_unless_fits(groups, replica_counts, engine, args.rounds, args.ignore_memory_estimate)
     factory = WorkloadFactory(args.seed, args.small_px, max_tokens=args.max_tokens)
     image_chars = image_prompt_chars(checkpoint, args.small_px)
@@ -272,7 +293,8 @@ def run_comparison(args, command: str) -> dict:
     name = args.name or ("compare_quick" if args.quick else "compare")
     log_dir = Path(tempfile.mkdtemp(prefix="iris-compare-logs-"))
     run = {**results.provenance(command), "model": args.model, "checkpoint": checkpoint, "dtype": dtype,
-           "seed": args.seed, "systems": names, "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
+           "seed": args.seed, "systems": names, "variants": args.variant_env,
+           "replica_counts": replica_counts, "sweep_workload": SWEEP_WORKLOAD,
            "plan": [p.name for p in plan], "image_tokens": image_chars, "logs": str(log_dir),
            "rounds": args.rounds, "memory": memory, "gpu_node_mode": gpu_node,
            "ray_event_stats_s": args.ray_event_stats_s, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
@@ -308,6 +330,7 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
             bar.set_description(f"{system_name} x{replicas}: starting")
             try:
                 system = systems.start(system_name, replicas, engine, log_dir,
+                                       env=getattr(args, "variant_env", {}).get(system_name),
                                        ray_event_stats_s=getattr(args, "ray_event_stats_s", 0.0))
             except Exception as err:  # one system that cannot start does not stop the others
                 run["starts"].append({"system": system_name, "replicas": replicas, "error": str(err)[-2000:]})

@@ -1191,3 +1191,34 @@ def test_a_dying_replica_engine_controller_or_runner_breaks_the_system_with_a_cl
         except ProcessLookupError:
             pass
         root.wait()
+
+
+def test_a_variant_is_its_system_with_environment_of_its_own_compared_with_it_and_the_peers(tmp_path, monkeypatch):
+    """`compare --variant iris-haproxy@mp:VLLM_ENABLE_V1_MULTIPROCESSING=1` runs iris-haproxy again
+    with that environment beside iris-haproxy itself: an A/B of a setting within one run."""
+    from bench import compare
+    from bench.harness import report, systems
+
+    variants = compare.parse_variants(["iris-haproxy@mp:VLLM_ENABLE_V1_MULTIPROCESSING=1,A=b", "vllm@x:K=V"])
+    assert variants == {"iris-haproxy@mp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "A": "b"}, "vllm@x": {"K": "V"}}
+    for bad in ("iris-haproxy:K=V", "nosuch@x:K=V", "iris@x", "iris@x:K"):
+        with pytest.raises(SystemExit, match="NAME@LABEL"):
+            compare.parse_variants([bad])
+    with pytest.raises(SystemExit, match="iris@undeclared"):
+        compare.run_comparison(compare.parse_args(["--systems", "iris,iris@undeclared"]), "")
+
+    spawned = []
+    monkeypatch.setattr(systems, "_spawn", lambda cmd, log, env=None: spawned.append((cmd, log, env)))
+    monkeypatch.setattr(systems.RunningSystem, "wait_ready", lambda self, *a: self)
+    engine = systems.EngineSettings("/nonexistent", "float32")
+    started = systems.start("vllm@x", 1, engine, tmp_path, env={"K": "V"})
+    assert started.name == "vllm@x" and spawned[-1][2]["K"] == "V" and spawned[-1][1].name.startswith("vllm@x-")
+    started = systems.start("rayllm@x", 1, engine, tmp_path, env={"K": "V"})
+    assert started.name == "rayllm@x" and spawned[-1][2]["K"] == "V"  # the runner's: its Ray cluster's
+
+    summary = report.summarize([], 1.0, 0, None) | {"req_per_s": 2.0}
+    results = [{"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
+               for name in ("iris-haproxy", "iris-haproxy@mp", "rayllm", "vllm@x")]
+    assert sorted((r["system"], r["peer"]) for r in report.ratios(results)) == [
+        ("iris-haproxy", "rayllm"), ("iris-haproxy", "vllm@x"), ("iris-haproxy@mp", "iris-haproxy"),
+        ("iris-haproxy@mp", "rayllm"), ("iris-haproxy@mp", "vllm@x")]

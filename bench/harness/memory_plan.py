@@ -118,6 +118,7 @@ def estimate(name: str, replicas: int, engine: systems.EngineSettings,
              weights: tuple[int, int] | None = None) -> Estimate:
     """Host memory that system `name` with `replicas` decode replicas will hold once it serves
     (module docstring). `weights`: weight_bytes(engine.checkpoint), read here when not given."""
+    name = systems.base_system(name)
     weights = weights if weights is not None else weight_bytes(engine.checkpoint)
     all_weights, tower = (0, 0) if engine.gpu or weights is None else weights
     engine_parts = [("engine core", ENGINE_CORE), ("KV cache", _kv_cache(engine)), ("weights", all_weights)]

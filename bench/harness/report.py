@@ -10,8 +10,9 @@ from bench.harness.cpu_usage import is_model_role, per_output_token
 from bench.harness.metrics import Counters
 from bench.harness.results import label
 from bench.harness.stats import distribution, median_and_range, percentile
+from bench.harness.systems import base_system
 
-IRIS = ("iris", "iris-haproxy", "iris-connector")  # each against each peer
+IRIS = ("iris", "iris-haproxy", "iris-connector")  # each against each peer (variants, NAME@LABEL, as NAME)
 PEERS = ("rayllm", "rayllm-affinity", "rayllm-haproxy", "vllm")
 # Iris variants also compared with Iris itself: the EC connector path against the embeddings path.
 AGAINST_IRIS = ("iris-connector",)
@@ -91,10 +92,15 @@ def ratios(results: list[dict]) -> list[dict]:
     rows = []
     for round_ in sorted({r.get("round", 0) for r in results}):
         index = _index([r for r in results if r.get("round", 0) == round_])
+        present = {system for system, _, _ in index}
         for (system, replicas, point), iris in index.items():
-            if system not in IRIS:
+            base = base_system(system)
+            if base not in IRIS:
                 continue
-            for peer in PEERS + (("iris",) if system in AGAINST_IRIS else ()):
+            peers = sorted((p for p in present if base_system(p) in PEERS),
+                           key=lambda p: (PEERS.index(base_system(p)), p))
+            peers += ["iris"] if base in AGAINST_IRIS else []
+            for peer in peers + ([base] if base != system else []):  # a variant also against what it varies
                 other = index.get((peer, replicas, point))
                 if other is None:
                     continue

