@@ -309,8 +309,9 @@ def _system_fingerprint(vllm_config) -> str | None:
 def _model_in_engine_process() -> None:
     """On a CPU-only node, run the model in vLLM's engine-core process, as vLLM does on one GPU.
     vLLM's CPU default adds a worker process that busy-waits on a shared-memory queue for a second
-    after every step: 25-60 ms of CPU per request at 4 clients on the tiny LLaVA, taken from the
-    replica's other work and the node's (bench/results/host_cost/README.md). Same kernels, same
+    after every step: with it the engine used 58-88 ms of CPU per new-image request at 4 clients on
+    the tiny LLaVA, without it 24-31, the rest left to the replica and the node
+    (bench/results/host_cost/README.md). Same kernels, same
     answers (the parity tests run this way). VLLM_ENABLE_V1_MULTIPROCESSING set by the user wins;
     with tensor parallelism vLLM keeps its worker processes either way."""
     if not torch.cuda.is_available():

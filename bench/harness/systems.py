@@ -327,9 +327,9 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     if status_log is not None:
         cmd += ["--status-log", str(status_log)]
     proc = _spawn(cmd, log, env)
-    system = RunningSystem(system_name, replicas, [f"http://127.0.0.1:{port}"], [f"http://127.0.0.1:{metrics_port}/metrics"],
-                           [proc], [log], 0.0, namespace, {"config": copy.deepcopy(config),
-                                                           "ray_event_stats_s": ray_event_stats_s})
+    system = RunningSystem(system_name, replicas, [f"http://127.0.0.1:{port}"],
+                           [f"http://127.0.0.1:{metrics_port}/metrics"], [proc], [log], 0.0, namespace,
+                           {"config": copy.deepcopy(config), "ray_event_stats_s": ray_event_stats_s})
     return system.wait_ready([None], started, timeout_s)
 
 
