@@ -301,7 +301,7 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
     started = time.monotonic()
     log_dir.mkdir(parents=True, exist_ok=True)
     if name == "vllm":
-        return _start_vllm(system_name, replicas, engine, log_dir, started, timeout_s, env)
+        return _start_vllm(replicas, engine, log_dir, started, timeout_s, env, name=system_name)
     port, metrics_port = free_port(), free_port()
     namespace = None
     if name.startswith("iris"):
@@ -361,8 +361,8 @@ def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = Non
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 
-def _start_vllm(name: str, replicas: int, engine: EngineSettings, log_dir: Path, started: float,
-                timeout_s: float, env: dict[str, str] | None = None) -> RunningSystem:
+def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float, timeout_s: float,
+                env: dict[str, str] | None = None, name: str = "vllm") -> RunningSystem:
     ports = [free_port() for _ in range(replicas)]
     procs, logs = [], []
     for i, port in enumerate(ports):
