@@ -311,9 +311,8 @@ def _model_in_engine_process() -> None:
     vLLM's CPU default adds a worker process that busy-waits on a shared-memory queue for a second
     after every step: with it the engine used 58-88 ms of CPU per new-image request at 4 clients on
     the tiny LLaVA, without it 24-31, the rest left to the replica and the node
-    (bench/results/host_cost/README.md). Same kernels, same
-    answers (the parity tests run this way). VLLM_ENABLE_V1_MULTIPROCESSING set by the user wins;
-    with tensor parallelism vLLM keeps its worker processes either way."""
+    (bench/results/host_cost/README.md). Same kernels, same answers. VLLM_ENABLE_V1_MULTIPROCESSING
+    set by the user wins; with tensor parallelism vLLM keeps its worker processes either way."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

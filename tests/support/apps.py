@@ -49,7 +49,6 @@ class App:
         return self.handle(deployment).stats.remote().result(timeout_s=timeout_s)
 
 
-
 def run_on_fresh_loop(coro: Coroutine):
     """`coro` on an event loop of its own, closed after: unlike asyncio.run, leaves no "no current
     event loop" state behind for the tests that run after."""
