@@ -29,7 +29,8 @@ def pytest_configure(config):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Every vLLM engine the tests start (`vllm serve`, Iris's LLMDecode) runs its model in the
     # engine-core process, as vLLM does on one GPU, instead of a worker process of its own (vLLM's
-    # CPU default): one process fewer to start per engine, the same computation.
+    # CPU default): one process fewer to start per engine, the same computation. (Iris's LLMDecode
+    # does so on CPU by itself, deployments/decode.py; this also covers `vllm serve` and in-process engines.)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The traced apps' spans (tests/test_tracing.py) leave every 0.2 s, not OpenTelemetry's 5 s.
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
