@@ -5,20 +5,17 @@
   configured and the request carries none of them (pipeline/tenancy/auth.py).
 - `Admission`: the tenant's limits (pipeline/tenancy/limits.py). A chat or completion request
   holds a ticket from its admission (429 when over a limit, before any media work) until its
-  answer ends, however it ends; its prompt tokens are charged with its last chunk.
+  answer ends, however it ends; its prompt tokens are charged with LLMDecode's last message.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-
 from fastapi import Request
 
 from deployments.config import IrisConfig
 from deployments.metrics import RequestMetrics, TenantMetrics
-from pipeline.api.errors import IrisError
-from pipeline.stage_io import DecodeChunk
+from pipeline.errors import IrisError
 from pipeline.tenancy.auth import KeyRing, unauthorized
 from pipeline.tenancy.limits import TenantLimiter, Ticket
 from pipeline.tenancy.tenant import bearer_token, tenant_of
@@ -70,18 +67,6 @@ class Admission:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
         await asyncio.shield(task)
-
-    async def charged(self, chunks: AsyncIterator[DecodeChunk], ticket: Ticket) -> AsyncIterator[DecodeChunk]:
-        """The chunks; the last one's prompt tokens are charged and the ticket given back before it
-        goes on, so before the client reads [DONE] (its next request may follow at once)."""
-        try:
-            async for chunk in chunks:
-                if chunk.done:
-                    ticket.prompt_tokens = chunk.prompt_tokens
-                    await self.release(ticket)
-                yield chunk
-        finally:
-            await chunks.aclose()
 
     def stats(self) -> dict:
         return dict(self.limiter.stats)

@@ -12,16 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
 from deployments.tracing import TracingConfig
+from deployments.vllm_args import check_engine_args
 from pipeline.media.limits import MediaLimits
 from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig
 from pipeline.tenancy.fair_gate import FairSharing
 from pipeline.tenancy.limits import TenantLimits
-
-# vLLM engine arguments Iris relies on; users may not turn them off.
-REQUIRED_ENGINE_ARGS = {"enable_mm_embeds": True, "enable_prefix_caching": True}
-
 
 class IrisConfig(BaseModel):
     # Errors name the field and the rule, not the value: a value may hold a secret (a Redis password
@@ -92,8 +89,11 @@ class IrisConfig(BaseModel):
     )
     engine_args: dict[str, Any] = Field(
         default_factory=lambda: {"max_model_len": 4096},
-        description="Extra vLLM AsyncEngineArgs for LLMDecode (e.g. max_model_len, "
-        "gpu_memory_utilization, tensor_parallel_size, block_size).",
+        description="LLMDecode's `vllm serve` command line, flag by flag with underscores: engine flags "
+        "(max_model_len, gpu_memory_utilization, enable_lora, ...) and frontend flags (tool_call_parser, "
+        "enable_auto_tool_choice, reasoning_parser, chat_template, default_chat_template_kwargs, lora_modules, "
+        "response_role, ...), checked by vLLM's own parser at start-up. Iris's own settings (model, "
+        "served_model_name, dtype, media limits, auth, the server's address) are refused here.",
     )
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
@@ -139,21 +139,7 @@ class IrisConfig(BaseModel):
     @field_validator("engine_args")
     @classmethod
     def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from dataclasses import fields
-
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        known = {f.name for f in fields(AsyncEngineArgs)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown vLLM engine args {unknown}")
-        for name, required in REQUIRED_ENGINE_ARGS.items():
-            if name in value and value[name] != required:
-                raise ValueError(f"engine_args.{name} must be {required}: Iris feeds features as embeddings "
-                                 "and relies on prefix caching")
-        for name in ("model", "dtype", "limit_mm_per_prompt", "ec_transfer_config"):
-            if name in value:
-                raise ValueError(f"set {name!r} through Iris's own field, not engine_args")
+        check_engine_args(value)  # as `vllm serve`'s parser would, less what Iris owns
         return value
 
     @property

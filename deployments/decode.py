@@ -1,15 +1,17 @@
-"""LLMDecode: vLLM AsyncLLM fed image and video features as embeddings.
+"""LLMDecode: vLLM's own OpenAI serving layer over an AsyncLLM, fed Iris's image and video features.
 
-Features computed for this request arrive as object-store references (kept in
-this replica's L1 for the next request); others are read from the cache.
-`multi_modal_uuids` are set to the cache keys, so vLLM's prefix cache knows an
-image or clip it has seen before, whichever replica computed the features.
-For a modality vLLM takes no embeddings for, the engine gets the item itself (from
-the bytes the features carry) and Iris's EC connector in the engine takes the
-features from a staging folder this replica writes (pipeline/model/ec_staging.py).
-
-The engine prompt is built by deployments/engine_prompt.py, the engine's outputs become
-DecodeChunks in deployments/engine_output.py.
+vLLM's serving objects (chat completions, completions, the Responses API, tokenize, models with
+LoRA adapters) are built in process from the engine, as `vllm serve` builds them
+(`init_app_state`, with vLLM's own parsed command line: deployments/vllm_args.py), so tools,
+reasoning parsers, chat templates and vLLM's errors are vLLM's. The ingress hands each request
+over with its images and videos replaced by parts that name their cache keys; this replica
+resolves them (pipeline/model/keyed_media.py) to the features the ingress's encoder calls
+computed for the request (object-store references, kept in this replica's L1 for the next
+request) or to what the cache holds. The keys are the parts' uuids, vLLM's `multi_modal_uuids`,
+so its prefix cache knows an image or clip it has seen before, whichever replica computed it.
+For a modality vLLM takes no embeddings for, the engine gets the item itself (from the bytes the
+features carry) and Iris's EC connector in the engine takes the features from a staging folder
+this replica writes (pipeline/model/ec_staging.py).
 """
 
 from __future__ import annotations
@@ -25,27 +27,24 @@ import torch
 from ray import serve
 from ray.exceptions import ObjectLostError
 from ray.serve.exceptions import RayServeException
-from vllm.entrypoints.serve.tokenize.protocol import (
-    DetokenizeResponse,
-    TokenizeResponse,
-)
 
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
-from deployments import tracing
-from deployments.config import REQUIRED_ENGINE_ARGS, IrisConfig
+from deployments import engine_usage, tracing
+from deployments.config import IrisConfig
 from deployments.cpu_binding import omp_threads_bind
-from deployments.engine_output import OutputAdapter
-from deployments.engine_prompt import EnginePromptBuilder
 from deployments.metrics import CacheMetrics
 from deployments.stage_trace import mark
-from pipeline.api.errors import IrisError, bad_request, model_changed
-from pipeline.api.tokenize import TokenizeJob
+from deployments.vllm_args import REQUIRED, serve_args
+from pipeline.errors import IrisError, model_changed
+from pipeline.api.stream_merge import merged_outputs
+from pipeline.model import keyed_media
 from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
 from pipeline.model.embedding_form import CONNECTOR
-from pipeline.stage_io import DecodeChunk, DecodeRequest, EncodedMedia
+from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened, EncodedMedia
+from pipeline.tenancy.tenant import cache_salt
 
 logger = logging.getLogger("ray.serve")
 # A request that ends without its first chunk after this long is logged (a deadline, a client that left).
@@ -56,18 +55,21 @@ SLOW_FIRST_OUTPUT_S = 5.0
 class LLMDecode:
     async def __init__(self, config: IrisConfig):  # async: the engine's warm-up runs a request
         from ray.serve import metrics
-        from transformers import AutoProcessor
+        from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         _bind_engine_cores()
         _model_in_engine_process()
+        os.environ["VLLM_MEDIA_CONNECTOR"] = keyed_media.CONNECTOR_NAME  # media parts resolve to Iris's items
         tracing.setup(config.tracing, "decode")
+        self.config = config
         # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
         # the encoder's fingerprint (computed before the engine takes the device's memory).
         self.vision = config.vision_model()
-        checkpoint = self.vision.checkpoint
-        self.processor = AutoProcessor.from_pretrained(checkpoint)
         # Keys of other weights (a rolling update) are refused.
         self.fingerprint = self.vision.expected_fingerprint()
         # Modalities vLLM takes no embeddings for: the engine's EC connector reads their features
@@ -75,19 +77,18 @@ class LLMDecode:
         connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
         self.staging = FeatureStaging() if connector_widths else None
         connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
-        args = AsyncEngineArgs(
-            model=checkpoint, served_model_name=[config.model_name], dtype=str(self.vision.dtype).removeprefix("torch."),
-            limit_mm_per_prompt={m: self.vision.limits[m] for m in self.vision.modalities},
-            **{**tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
-               **REQUIRED_ENGINE_ARGS, **connector},
-        )
-        self.engine = AsyncLLM.from_engine_args(args)
-        model_config = self.engine.model_config
-        # The checkpoint's generation_config defaults, as `vllm serve` applies them.
-        self.prompts = EnginePromptBuilder(self.vision, self.processor, self.staging, model_config,
-                                           model_config.get_diff_sampling_param(), config.max_tokens_limit)
-        self.outputs = OutputAdapter(self.processor.tokenizer, _system_fingerprint(self.engine.vllm_config),
-                                     config.stream_interval_s, self._count_tokens)
+        self.args = serve_args(self.vision.checkpoint, {
+            **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args, **REQUIRED,
+            **connector, "served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
+            "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}})
+        # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
+        # Prometheus registry, where the EC connector's counters are read (connector_counts).
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args),
+                                                stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
+        self.engine.generate = engine_usage.counting(self.engine.generate)
+        self.state = State()
+        await init_app_state(self.engine, self.state, self.args, supported_tasks=await self.engine.get_supported_tasks())
+        self._cap_max_tokens(config.max_tokens_limit)
         # Values read from Redis must carry the fingerprint of their key and look like this
         # model's features: a forged or stale entry is a miss, never an input.
         self.cache = FeatureCache(config.cache, check=ValueCheck(self.vision.feature_problem))
@@ -101,6 +102,16 @@ class LLMDecode:
         if "image" in connector_widths:
             await self._check_connector()
 
+    def _cap_max_tokens(self, limit: int | None) -> None:
+        """Iris's `max_tokens_limit` also bounds a request that names no max_tokens: vLLM's own
+        override of the default (a generation_config's max_new_tokens), lowered to it."""
+        if limit is None:
+            return
+        for name in ("openai_serving_chat", "openai_serving_completion", "openai_serving_responses"):
+            serving = getattr(self.state, name, None)
+            if serving is not None:
+                serving.override_max_tokens = min(serving.override_max_tokens or limit, limit)
+
     async def _warm_up_logprobs(self) -> None:
         """vLLM compiles its logprobs kernel (torch.compile, `batched_count_greater_than`) on the
         first request that asks for logprobs, and its engine serves nobody while it compiles
@@ -111,7 +122,7 @@ class LLMDecode:
         started = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
         # 16 tokens, not 1: vLLM's CPU conv1d of hybrid models (Qwen3.5) fails on a 1-token prefill.
-        tokens = [self.processor.tokenizer.bos_token_id or 0] * 16
+        tokens = [self.engine.renderer.tokenizer.bos_token_id or 0] * 16
         async for _ in self.engine.generate({"prompt_token_ids": tokens}, params, "iris-logprobs-warm-up"):
             pass
         logger.info("LLMDecode: vLLM's logprobs path warmed up in %.1f s", time.monotonic() - started)
@@ -120,16 +131,19 @@ class LLMDecode:
         """One image through the EC connector before the replica takes traffic: the engine must
         take the features the encoder computed for it and never run its own tower. A family
         neither vLLM's embedding input nor the connector serves is refused here, naming why."""
-        from vllm import SamplingParams
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         arch = self.engine.model_config.architecture
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
-        prompt = {"prompt_token_ids": self.prompts.token_ids(None, messages, False)}
-        key, staged = f"iris-connector-check-{os.getpid()}-{time.monotonic_ns()}", []
+        key = f"iris-connector-check-{os.getpid()}-{time.monotonic_ns()}"
+        request = ChatCompletionRequest(model=self.config.model_name, max_tokens=1, messages=[{"role": "user", "content": [
+            keyed_media.keyed_part("image", key, as_embeddings=False), {"type": "text", "text": "Describe."}]}])
+        staged: list[str] = []
         try:
-            prompt.update(await self.prompts.media_input([key], [self.vision.sample_features], ["image"], staged))
-            async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), "iris-connector-check"):
-                pass
+            items = await self._media_items([key], [self.vision.sample_features], ["image"], staged)
+            with keyed_media.request_media(items):
+                answer = await self.state.openai_serving_chat.create_chat_completion(request, None)
+            if not hasattr(answer, "choices"):
+                raise RuntimeError(answer.model_dump_json() if hasattr(answer, "model_dump_json") else repr(answer))
         except Exception as err:
             raise RuntimeError(f"{arch}: its engine failed on an image through Iris's EC connector, the one way "
                                f"to it where vLLM takes no image embeddings ({type(err).__name__}: {err}); Iris "
@@ -147,68 +161,125 @@ class LLMDecode:
                                "Iris cannot serve it")
         logger.info("LLMDecode: %s's features reach vLLM through Iris's EC connector", arch)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+    async def generate(self, call: DecodeCall) -> AsyncIterator[DecodeOpened | str | DecodeDone]:
+        """DecodeOpened; then, for a streamed answer, vLLM's SSE text (events merged per
+        `stream_interval_s`, the first at once); then DecodeDone."""
         self.generating += 1
         started, sent, ended = time.monotonic(), False, False
         # Not the current span: it spans yields. vLLM's llm_request span is its child (trace_headers).
-        span = tracing.start_span("decode", request.trace)
+        span = tracing.start_span("decode", call.trace)
+        usage = engine_usage.track()  # in this call's own context (Serve runs each call in a task of its own)
         try:
-            async with aclosing(self._generate(request, tracing.carrier(span))) as chunks:
-                async for chunk in chunks:
+            async with aclosing(self._generate(call, tracing.carrier(span))) as messages:
+                async for message in messages:
                     sent = True
-                    if chunk.done and span.is_recording():
-                        span.set_attributes({"iris.prompt_tokens": chunk.prompt_tokens,
-                                             "iris.completion_tokens": chunk.completion_tokens,
-                                             "iris.cached_tokens": chunk.cached_tokens})
-                    yield chunk
+                    yield message
+            if span.is_recording():
+                span.set_attributes({"iris.prompt_tokens": usage.prompt_tokens,
+                                     "iris.completion_tokens": usage.completion_tokens,
+                                     "iris.cached_tokens": usage.cached_tokens})
             ended = True
-        finally:  # also when the caller cancels or leaves: closing _merged aborted the engine request
+        finally:  # also when the caller cancels or leaves: closing vLLM's stream aborted the engine request
             span.end()
             self.generating -= 1
             self.left_early += not ended
             waited = time.monotonic() - started
             if not sent and waited > SLOW_FIRST_OUTPUT_S:
                 # Says whether a first token the client never saw left this replica at all.
-                logger.warning("request %s ended after %.1f s without a first chunk from this replica "
-                               "(requests vLLM holds now: %s)", request.request_id, waited, self._unfinished())
+                logger.warning("a %s request ended after %.1f s without a first message from this replica "
+                               "(requests vLLM holds now: %s)", call.route, waited, self._unfinished())
 
-    async def _generate(self, request: DecodeRequest, trace: dict[str, str] | None = None
-                        ) -> AsyncIterator[DecodeChunk]:
+    async def _generate(self, call: DecodeCall, trace: dict[str, str] | None) -> AsyncIterator:
         """`trace`: the decode span's context, the parent of this call's spans and vLLM's."""
-        mark("decode.start", request.request_id)
-        if any(fingerprint_of(k) != self.fingerprint for k in request.media_keys):
-            yield DecodeChunk(error=model_changed())  # keyed by an ingress that has not seen the update yet
+        if any(fingerprint_of(k) != self.fingerprint for k in call.media_keys):
+            yield DecodeOpened(error=model_changed())  # keyed by an ingress that has not seen the update yet
             return
         with tracing.span("decode.features", trace):  # waits for this request's encodes, reads the cache
-            features = await self._features(request)
-        if isinstance(features, DecodeChunk):  # an encode's error, or keys to compute again
+            features = await self._features(call)
+        if isinstance(features, DecodeOpened):  # an encode's error, or keys to compute again
             yield features
             return
-        mark("decode.features_in", request.request_id)
         staged: list[str] = []
         try:
             try:
-                prompt, params = await self.prompts.build(request, features, staged)
+                items = await self._media_items(call.media_keys, features, call.modalities, staged)
             except IrisError as err:
-                yield DecodeChunk(error=err)
+                yield DecodeOpened(error=err)
                 return
-            outputs = self.engine.generate(prompt, params, request.request_id, trace_headers=trace)
-            async with aclosing(self.outputs.chunks(outputs, request)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            with keyed_media.request_media(items):
+                answer = await self._serve(call, trace)
+            if not hasattr(answer, "__aiter__"):
+                yield answer
+            else:
+                yield DecodeOpened()
+                async with aclosing(merged_outputs(answer, self.config.stream_interval_s,
+                                                   last=lambda event: "data: [DONE]" in event)) as merged:
+                    async for events in merged:
+                        yield "".join(events)
         finally:
             if staged:  # the engine took the features in its prefill (or never will: the request ended)
                 self.staging.release(staged)
+        usage = engine_usage.current()
+        self._count_tokens(usage)
+        yield usage
 
-    async def _features(self, request: DecodeRequest) -> list | DecodeChunk:
-        """The features of the request's items in prompt order: those computed for it (kept in L1 for
-        the next request), the rest from the cache. Else the chunk that ends the request: an encode's
+    async def _serve(self, call: DecodeCall, trace: dict[str, str] | None):
+        """vLLM's answer: DecodeOpened with its JSON body or error, or its SSE stream."""
+        from starlette.requests import Request
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        routes = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
+                  "completion": ("openai_serving_completion", "create_completion", "Completions"),
+                  "responses": ("openai_serving_responses", "create_responses", "Responses")}
+        serving, method, api = routes[call.route]
+        headers = {**call.headers, **(trace or {})}
+        # What vLLM reads of the HTTP request: X-Request-Id, the trace context.
+        raw = Request({"type": "http", "method": "POST", "path": "/", "query_string": b"",
+                       "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+        call.body.cache_salt = _salted(call.tenant, getattr(call.body, "cache_salt", None))
+        mark("decode.engine_call")
+        try:
+            handler = getattr(self.state, serving, None)
+            if handler is None:
+                raise NotImplementedError(f"The model does not support {api} API")
+            answer = await getattr(handler, method)(call.body, raw)
+        except Exception as err:  # what vLLM's exception handlers answer with
+            answer = create_error_response(err)
+        if isinstance(answer, ErrorResponse):
+            return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
+        if hasattr(answer, "__aiter__"):
+            return answer
+        return DecodeOpened(body=answer.model_dump_json())
+
+    async def _media_items(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
+        """key -> what vLLM's parser gets for the item's keyed part: its embedding input, or the item
+        decoded from the bytes its features carry, with the features staged for the EC connector."""
+        items = {}
+        for key, f, modality in zip(keys, features, modalities):
+            if key in items:
+                continue
+            if self.vision.forms[modality].delivery != CONNECTOR:
+                items[key] = self.vision.embedding_item(f, modality)
+                continue
+            try:  # decoding an image or a clip is CPU work: off the event loop
+                (items[key],) = await asyncio.to_thread(self.vision.source_items, [f], modality)
+            except Exception as err:  # bytes Iris's own checks let through but vLLM's loader refuses
+                raise IrisError(f"vLLM cannot decode this {modality}: {err}", param="messages",
+                                code=f"invalid_{modality}") from None
+            self.staging.stage(key, f)
+            staged.append(key)
+        return items
+
+    async def _features(self, call: DecodeCall) -> list | DecodeOpened:
+        """The features of the call's items in prompt order: those computed for it (kept in L1 for
+        the next request), the rest from the cache. Else the message that ends the call: an encode's
         error, or the keys no longer in the cache (the ingress computes them again)."""
-        keys = request.media_keys
-        delivered = await self._delivered(request.delivered)
+        keys = call.media_keys
+        delivered = await self._delivered(call.delivered)
         for key, f in delivered.items():
             if isinstance(f, IrisError):  # the encode failed: the ingress answers with its error
-                return DecodeChunk(error=f)
+                return DecodeOpened(error=f)
             self.cache.remember(key, f)
         features = [delivered.get(k) for k in keys]
         lookup = [k for k, f in zip(keys, features) if f is None]
@@ -218,15 +289,14 @@ class LLMDecode:
         self.cache_metrics.export()
         features = [f if f is not None else found[k] for k, f in zip(keys, features)]
         # A stored value of another modality than its key's (forged) counts as absent.
-        modalities = request.modalities or ["image"] * len(keys)
-        missing = [k for k, f, m in zip(keys, features, modalities) if f is None or f.modality != m]
-        return DecodeChunk(missing_keys=missing) if missing else features
+        missing = [k for k, f, m in zip(keys, features, call.modalities) if f is None or f.modality != m]
+        return DecodeOpened(missing_keys=missing) if missing else features
 
-    def _count_tokens(self, last: DecodeChunk) -> None:
-        if last.prompt_tokens:
-            self.prompt_tokens.inc(last.prompt_tokens)
-        if last.cached_tokens:
-            self.prefix_hit_tokens.inc(last.cached_tokens)
+    def _count_tokens(self, usage: DecodeDone) -> None:
+        if usage.prompt_tokens:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+        if usage.cached_tokens:
+            self.prefix_hit_tokens.inc(usage.cached_tokens)
 
     async def _delivered(self, refs: dict) -> dict:
         """Key -> Features (or the encode's IrisError), from the references of the VisionEncoder
@@ -256,22 +326,32 @@ class LLMDecode:
         except Exception as err:  # a dead engine: say so rather than mask why the request ended
             return f"unknown ({type(err).__name__})"
 
-    def tokenize(self, job: TokenizeJob) -> TokenizeResponse | IrisError:
-        """/tokenize: vLLM's TokenizeResponse, or the 400 the chat template raised."""
-        from jinja2 import TemplateError
+    async def tokenize(self, body) -> DecodeOpened:
+        """vLLM's /tokenize (text prompts, text-only chat messages)."""
+        return await self._answer("serving_tokenization", "create_tokenize", body)
+
+    async def detokenize(self, body) -> DecodeOpened:
+        return await self._answer("serving_tokenization", "create_detokenize", body)
+
+    async def _answer(self, serving: str, method: str, body) -> DecodeOpened:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         try:
-            tokens = self.prompts.token_ids(job.prompt, job.messages, job.add_special_tokens,
-                                            job.add_generation_prompt, job.continue_final_message)
-        except (ValueError, TemplateError) as err:  # e.g. continue_final_message with a generation prompt
-            return bad_request(str(err), param="messages")
-        strs = self.processor.tokenizer.convert_ids_to_tokens(tokens) if job.return_token_strs else None
-        return TokenizeResponse(count=len(tokens), max_model_len=self.prompts.max_model_len, tokens=tokens,
-                                token_strs=strs)
+            answer = await getattr(getattr(self.state, serving), method)(body, None)
+        except Exception as err:
+            answer = create_error_response(err)
+        if isinstance(answer, ErrorResponse):
+            return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
+        return DecodeOpened(body=answer.model_dump_json())
 
-    def detokenize(self, tokens: list[int]) -> DetokenizeResponse:
-        """/detokenize: the tokenizer's plain decode, as vLLM's."""
-        return DetokenizeResponse(prompt=self.processor.tokenizer.decode(tokens))
+    async def models(self) -> str:
+        """vLLM's /v1/models: the served name and its LoRA adapters."""
+        return (await self.state.openai_serving_models.show_available_models()).model_dump_json()
+
+    async def health(self) -> None:
+        """Raises when the engine is dead (vLLM's check_health), for the ingress's /health."""
+        await self.engine.check_health()
 
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
@@ -296,14 +376,10 @@ class LLMDecode:
             self.staging.close()
 
 
-def _system_fingerprint(vllm_config) -> str | None:
-    """What `vllm serve` stamps on its answers as `system_fingerprint`, for this engine."""
-    from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
-
-    try:
-        return get_system_fingerprint(vllm_config)
-    except Exception:  # as vLLM: never fail start-up over it
-        return None
+def _salted(tenant: str, own: str | None) -> str:
+    """The request's vLLM `cache_salt`: the tenant's, combined with the client's own, never replaced by it,
+    so prefix-cache hits (and so TTFT) never depend on other tenants' prompts."""
+    return f"{cache_salt(tenant)}:{own}" if own else cache_salt(tenant)
 
 
 def _model_in_engine_process() -> None:

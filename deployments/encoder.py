@@ -25,7 +25,7 @@ from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, StageQueueMetrics, latency_histogram
 from deployments.stage_trace import mark
-from pipeline.api.errors import IrisError, model_changed
+from pipeline.errors import IrisError, model_changed
 from pipeline.model.vision_model import PixelInputs
 from pipeline.stage_io import EncodedMedia
 from pipeline.tenancy.fair_gate import FairGate

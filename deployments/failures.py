@@ -14,7 +14,7 @@ from ray.exceptions import (
 )
 from ray.serve.exceptions import DeploymentUnavailableError
 
-from pipeline.api.errors import IrisError, causes, server_error
+from pipeline.errors import IrisError, causes, server_error
 
 logger = logging.getLogger("ray.serve")
 

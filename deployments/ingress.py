@@ -1,24 +1,30 @@
-"""Ingress: the OpenAI-compatible HTTP API.
+"""Ingress: the OpenAI-compatible HTTP API, answered by vLLM's own serving layer on LLMDecode.
 
-Routes, validation and responses. A request's images and videos are MediaFeatures'
-job (deployments/media_features.py); its answer comes from LLMDecode as a DecodeStream
-and goes out as vLLM's response models (pipeline/api/openai_format.py). Every request has
-a deadline (`request_timeout_s`) for all its work.
+What is Iris's stays here: keys and tenant limits, request deadlines (`request_timeout_s`), and
+each image and video (deployments/media_features.py: fetched behind the SSRF guard, keyed,
+looked up in the feature cache, computed by Preprocess and VisionEncoder when missing, 409 for
+an upload-free item nobody has). The body is parsed once, by vLLM's own request models; every
+media part is replaced by a part that names its key (pipeline/model/keyed_media.py), and the
+request goes to LLMDecode, whose vLLM answers it: its bodies, SSE chunks and errors. Text-only
+requests reach vLLM untouched.
 
 Every route but /health depends on `caller` (deployments/admission.py): the API key's tenant,
-or a 401 when keys are configured. Chat and completion requests then pass their tenant's limits
-(429) before any media work, and give their slot back when the answer ends, however it ends.
+or a 401 when keys are configured. Generation requests then pass their tenant's limits (429)
+before any media work, and give their slot back when the answer ends, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -30,18 +36,20 @@ from deployments.failures import failure_response
 from deployments.media_features import MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
 from deployments.stage_trace import mark
-from pipeline.api import openai_format
 from pipeline.api.body import read_json_body
-from pipeline.api.chat_prompt import messages_for_template
-from pipeline.api.chat_request import parse_chat_request
-from pipeline.api.errors import MODEL_CHANGED, IrisError, bad_request, not_found
-from pipeline.api.openai_format import Reply, json_response
-from pipeline.api.sampling import check_max_tokens, validate_sampling
-from pipeline.api.tokenize import parse_detokenize_request, parse_tokenize_request
-from pipeline.stage_io import DecodeRequest
+from pipeline.api.media_parts import MediaItem, media_items
+from pipeline.api.sampling import check_max_tokens
+from pipeline.errors import MODEL_CHANGED, IrisError
+from pipeline.model.keyed_media import keyed_part
+from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened
 from pipeline.tenancy.limits import Ticket
 
-app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving")
+# What vLLM reads of an HTTP request's headers (its request id; the trace context travels apart).
+FORWARDED_HEADERS = ("x-request-id",)
+
+# No /docs, /redoc or /openapi.json: every route but /health needs a key (docs/security.md).
+app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving",
+              docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(tracing.RequestSpans)  # each request's root span; passes straight through with tracing off
 
 
@@ -51,10 +59,29 @@ async def _refused(request: Request, err: IrisError) -> JSONResponse:
     return request.app.state.ingress.error_response(err, "request refused")
 
 
+class VLLMAnswer(Exception):
+    """An answer in vLLM's own shape (a refused request) that ends a route early."""
+
+    def __init__(self, response: Response):
+        self.response = response
+
+
+def _request_models() -> dict:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    return {"chat": TypeAdapter(ChatCompletionRequest), "completion": TypeAdapter(CompletionRequest),
+            "responses": TypeAdapter(ResponsesRequest), "tokenize": TypeAdapter(TokenizeRequest),
+            "detokenize": TypeAdapter(DetokenizeRequest)}
+
+
 # User code on the replica's own event loop (Ray Serve's throughput-optimized setting): with
 # the user code in a thread of its own, each response message crosses threads, and behind
 # HAProxy the first token waited for the replica's other loop (bench/results/video/README.md).
 INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+HEALTH_TIMEOUT_S = 10.0  # a decode replica that does not answer its health check this fast counts as down
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_ENV}})
@@ -68,20 +95,30 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        # What the module-level dependency and error handler reach (one Ingress per replica process).
+        self.models = _request_models()
+        self.limits = {"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt}
+        # What the module-level dependency and error handlers reach (one Ingress per replica process);
+        # vLLM's validation handler reads `args`.
         app.state.ingress = self
+        app.state.args = SimpleNamespace(log_error_stack=False)
         # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
         self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
                                + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3 + (1 << 20)
 
     @app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", "redis": await self.features.cache.ping()}
+    async def health(self) -> Response:
+        """200 while a decode engine answers vLLM's health check, else 503; needs no key."""
+        try:
+            await asyncio.wait_for(self.decode.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as err:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(err).__name__}: {err}"[:500]},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "redis": await self.features.cache.ping()})
 
     @app.get("/v1/models", dependencies=[Depends(caller)])
-    async def models(self) -> Response:
-        max_model_len = self.config.engine_args.get("max_model_len")
-        return json_response(openai_format.model_list(self.config.model_name, max_model_len))
+    async def list_models(self) -> Response:
+        """vLLM's model list: the served name and its LoRA adapters."""
+        return Response(await self.decode.models.remote(), media_type="application/json")
 
     @app.get("/iris/stats", dependencies=[Depends(caller)])
     async def stats(self):
@@ -90,169 +127,160 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request, tenant: str = Depends(caller)):
-        return await self._answer(self._open_chat, request, tenant, "chat completion")
+        return await self._answer("chat", request, tenant)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request, tenant: str = Depends(caller)):
-        """Text prompts, with the chat endpoint's sampling surface (vLLM's CompletionRequest)."""
-        return await self._answer(self._open_text, request, tenant, "completion")
+        return await self._answer("completion", request, tenant)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request, tenant: str = Depends(caller)):
+        return await self._answer("responses", request, tenant)
 
     @app.post("/tokenize", dependencies=[Depends(caller)])
     async def tokenize(self, request: Request):
-        """vLLM's /tokenize: a text prompt, or text-only chat messages through the chat template."""
-        try:
-            job = parse_tokenize_request(await self._body(request), self.config.max_images_per_prompt)
-            self._check_model(job.model)
-            result = await self.decode.tokenize.remote(job)
-            if isinstance(result, IrisError):
-                raise result
-        except Exception as err:  # a client error, a dead replica (503), a bug (500)
-            return self.error_response(err, "tokenize failed")
-        return json_response(result)
+        return await self._text_route("tokenize", request)
 
     @app.post("/detokenize", dependencies=[Depends(caller)])
     async def detokenize(self, request: Request):
+        return await self._text_route("detokenize", request)
+
+    async def _text_route(self, route: str, request: Request) -> Response:
+        """vLLM's /tokenize and /detokenize, answered by a decode replica's tokenizer."""
         try:
-            req = parse_detokenize_request(await self._body(request))
-            self._check_model(req.model)
-            return json_response(await self.decode.detokenize.remote(req.tokens))
-        except Exception as err:
-            return self.error_response(err, "detokenize failed")
+            body = await self._parse(route, request)
+            opened = await getattr(self.decode, route).remote(body)
+        except VLLMAnswer as answer:
+            return answer.response
+        except Exception as err:  # a client error, a dead replica (503), a bug (500)
+            return self.error_response(err, f"{route} failed")
+        return Response(opened.body, status_code=opened.status, media_type="application/json")
 
-    async def _open_chat(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        mark("ingress.received", request_id)
-        with tracing.span("ingress.parse"):
-            chat = parse_chat_request(await self._body(request), self.config.max_images_per_prompt,
-                                      self.config.max_videos_per_prompt)
-        mark("ingress.parsed", request_id)
-        check_max_tokens(chat.sampling, self.config.max_tokens_limit)
-        self._check_model(chat.model)
-        await self.admission.admit(ticket, len(chat.media))  # before any media work
-        for attempt in range(2):
-            media = await self.features.resolve(chat, ticket.tenant)
-            tracing.tag_request(request_id=request_id, images_cached=media.cached, images_computed=media.computed,
-                                cache=tracing.cache_outcome(media.cached, media.computed))
-            try:
-                stream = await self._open_decode(DecodeRequest(
-                    request_id, messages_for_template(chat.messages), media.keys, chat.sampling, media.delivered,
-                    ticket.tenant, modalities=media.modalities, trace=tracing.carrier()), media)
-                break
-            except IrisError as err:
-                # A rolling update: a stage already runs other weights or preprocessing than the
-                # fingerprint this request was keyed with. Nothing has reached the client yet: key
-                # its items again with the new fingerprint, once.
-                if err.code != MODEL_CHANGED or attempt:
-                    raise
-                self.metrics.counts["requests_rekeyed"] += 1  # /iris/stats: requests that met a rolling update
-        mark("ingress.first_token", request_id)
-        model = self.config.model_name
-        return stream, Reply(
-            chat.stream, lambda chunks: openai_format.chat_events(chunks, request_id, model, chat.sampling.n or 1,
-                                                                  chat.include_usage),
-            lambda answer: answer.chat(request_id, model),
-            {"x-iris-images": f"cached={media.cached},computed={media.computed}"})
+    async def _parse(self, route: str, request: Request):
+        """The body as vLLM's request model; a refusal in vLLM's shape as VLLMAnswer."""
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
-    async def _open_text(self, request: Request, ticket: Ticket) -> tuple[DecodeStream, Reply]:
-        req = validate_sampling(await self._body(request), "completion")
-        check_max_tokens(req, self.config.max_tokens_limit)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
-        if not isinstance(prompt, str):
-            raise bad_request("prompt must be a string (token ids and batches are not supported)", param="prompt")
-        self._check_model(req.model)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        await self.admission.admit(ticket, 0)
-        tracing.tag_request(request_id=request_id)
-        stream = await DecodeStream.open(self.decode, DecodeRequest(request_id, None, [], req, tenant=ticket.tenant,
-                                                                    prompt=prompt, trace=tracing.carrier()))
-        model = self.config.model_name
-        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        return stream, Reply(req.stream, lambda chunks: openai_format.text_events(chunks, request_id, model,
-                                                                                  include_usage),
-                             lambda answer: answer.text(request_id, model))
+        body = await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
+        try:
+            return self.models[route].validate_python(body)
+        except ValidationError as err:
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors()]
+            raise VLLMAnswer(await validation_exception_handler(request, RequestValidationError(errors))) from None
 
-    async def _open_decode(self, request: DecodeRequest, media: RequestMedia) -> DecodeStream:
-        """The decode stream, opened beside the request's encodes; again once after computing the
-        features that vanished from the cache since they were looked up."""
-        for attempt in range(2):
-            try:
-                stream = await DecodeStream.open(self.decode, request, media.take_encodes())
-            except IrisError as err:
-                if err.code == MODEL_CHANGED:
-                    self.features.forget_model()
-                raise
-            if not stream.first.missing_keys:
-                return stream
-            stream.cancel()
-            # 409 for an upload-free item; computed again once (within the request's deadline).
-            await self.features.recompute(media, stream.first.missing_keys, encode=attempt == 0)
-        raise IrisError("image features could not be delivered to the decoder", status_code=503,
-                        code="features_unavailable")
-
-    async def _answer(self, open_answer: Callable, request: Request, tenant: str, what: str) -> Response:
-        """`open_answer(request, ticket)` within the request's deadline, then its answer, streamed or
-        whole. The ticket (the tenant's limits) is given back when the answer ends, however it ends."""
+    async def _answer(self, route: str, request: Request, tenant: str) -> Response:
+        """A generation request within its deadline: parsed, admitted, its media keyed and computed,
+        then vLLM's answer, streamed or whole. The ticket (the tenant's limits) is given back when
+        the answer ends, however it ends."""
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         tracing.tag_request(tenant, model=self.config.model_name)
         ticket = self.admission.ticket(tenant)
         try:
             async with asyncio.timeout_at(deadline):
-                stream, reply = await open_answer(request, ticket)
+                stream, media = await self._open(route, request, ticket)
             self.metrics.ttft.observe(time.perf_counter() - start)
         except BaseException as err:  # a client error (4xx), past the deadline (504), a dead replica (503), a bug (500)
             await self.admission.release(ticket)
+            if isinstance(err, VLLMAnswer):
+                return err.response
             if not isinstance(err, Exception):  # cancelled: the client left
                 raise
-            return self.error_response(err, f"{what} failed")
-        chunks = stream.chunks(deadline)
-        if ticket.backend is not None:  # a tenant with limits: its prompt tokens are charged at the end
-            chunks = self.admission.charged(chunks, ticket)
-        if reply.stream:
-            return StreamingResponse(self._sse(reply.events(chunks), chunks, ticket), media_type="text/event-stream",
-                                     headers=reply.headers)
-        return await self._whole(chunks, reply.whole, reply.headers, what, ticket)
+            return self.error_response(err, f"{route} failed")
+        headers = {"x-iris-images": f"cached={media.cached},computed={media.computed}"} if media.items else {}
+        if stream.first.body is not None:
+            return await self._whole(stream, deadline, headers, ticket)
+        return StreamingResponse(self._sse(stream.messages(deadline), ticket), media_type="text/event-stream",
+                                 headers=headers)
 
-    async def _body(self, request: Request) -> dict:
-        return await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
+    async def _open(self, route: str, request: Request, ticket: Ticket) -> tuple[DecodeStream, RequestMedia]:
+        """The decode stream, once LLMDecode's first message says the answer is ready: opened beside
+        the request's encodes, and again, once, after a rolling update (the items keyed anew) or
+        after features vanished from the cache since they were looked up (computed again)."""
+        with tracing.span("ingress.parse"):
+            body = await self._parse(route, request)
+            items = media_items(body, route, self.limits)
+        mark("ingress.parsed")
+        if route != "responses":
+            check_max_tokens(body, self.config.max_tokens_limit)
+        await self.admission.admit(ticket, len(items))  # before any media work
+        media = await self.features.resolve(items, ticket.tenant)
+        rekeyed = recomputed = False
+        while True:
+            self._key_parts(media.items)
+            tracing.tag_request(images_cached=media.cached, images_computed=media.computed,
+                                cache=tracing.cache_outcome(media.cached, media.computed))
+            call = DecodeCall(route, body, media.keys, media.modalities, media.delivered, ticket.tenant,
+                              {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers},
+                              tracing.carrier())
+            stream = await DecodeStream.open(self.decode, call, media.take_encodes())
+            first = stream.first
+            if first.error is None and first.missing_keys is None:
+                mark("ingress.first_token")
+                return stream, media
+            stream.cancel()
+            if first.error is not None and first.error.code == MODEL_CHANGED and not rekeyed:
+                # A rolling update: a stage already runs other weights or preprocessing than the
+                # fingerprint this request was keyed with. Nothing has reached the client yet: key
+                # its items again with the new fingerprint, once.
+                self.features.forget_model()
+                self.metrics.counts["requests_rekeyed"] += 1  # /iris/stats: requests that met a rolling update
+                rekeyed = True
+                media = await self.features.resolve(items, ticket.tenant)
+            elif first.missing_keys is not None:
+                # 409 for an upload-free item; computed again once (within the request's deadline).
+                await self.features.recompute(media, first.missing_keys, encode=not recomputed)
+                if recomputed:
+                    raise IrisError("image features could not be delivered to the decoder", status_code=503,
+                                    code="features_unavailable")
+                recomputed = True
+            else:
+                raise first.error
 
-    def _check_model(self, name: str | None) -> None:
-        if name and name != self.config.model_name:
-            raise not_found(f"The model `{name}` does not exist; this server serves "
-                            f"`{self.config.model_name}`.", param="model", code="model_not_found")
+    def _key_parts(self, items: list[MediaItem]) -> None:
+        """Each media part, in place, becomes the part that names its key for LLMDecode's vLLM."""
+        for item in items:
+            item.part.clear()
+            item.part.update(keyed_part(item.modality, item.key, self.features.delivers_embeddings(item.modality)))
 
-    async def _whole(self, chunks: AsyncIterator, render: Callable, headers: dict | None, what: str,
-                     ticket: Ticket) -> Response:
-        """A non-streamed answer. The decode stream is closed whatever happens, also when the
-        client leaves (cancellation), which aborts the decode request."""
+    async def _whole(self, stream: DecodeStream, deadline: float, headers: dict, ticket: Ticket) -> Response:
+        """A non-streamed answer: its body came first; the last message's token counts are charged.
+        The decode stream is closed whatever happens, also when the client leaves."""
+        first = stream.first
+        messages = stream.messages(deadline)
         try:
-            answer = await openai_format.Answer.gather(chunks)
+            async for message in messages:
+                if isinstance(message, DecodeDone):
+                    ticket.prompt_tokens = message.prompt_tokens
         except Exception as err:
-            return self.error_response(err, f"{what} failed while decoding")
+            return self.error_response(err, "answer failed")
         finally:
             try:
-                await chunks.aclose()
+                await messages.aclose()
             finally:
                 await self.admission.release(ticket)
-        self.metrics.outcome("ok")
-        return json_response(render(answer), headers)
+        self.metrics.outcome("ok" if first.status == 200 else "refused")
+        return Response(first.body, status_code=first.status, media_type="application/json", headers=headers)
 
-    async def _sse(self, events: AsyncIterator[str], chunks: AsyncIterator, ticket: Ticket):
-        """A streamed answer's body: the events, [DONE] last. Once the stream has started, an error
-        (the engine's, the deadline, a dead replica) is reported in-band, as OpenAI does. The
-        ticket goes back with the last chunk (_charged), or when the stream closes otherwise."""
+    async def _sse(self, messages: AsyncIterator, ticket: Ticket):
+        """A streamed answer's body: vLLM's events. Once the stream has started, an error of Iris's
+        (the deadline, a dead replica) is reported in-band, as vLLM does its own. The ticket goes
+        back, charged, with the last message, before the client reads [DONE] is done (its next
+        request may follow at once), or when the stream closes otherwise."""
         try:
             try:
-                async for event in events:
-                    yield event
+                async for message in messages:
+                    if isinstance(message, DecodeDone):
+                        ticket.prompt_tokens = message.prompt_tokens
+                        await self.admission.release(ticket)
+                    elif isinstance(message, str):
+                        yield message
                 self.metrics.outcome("ok")
             except Exception as err:
                 error = self._failure(err, "stream failed")
-                yield openai_format.sse(error.to_dict()) + openai_format.DONE
+                yield f"data: {json.dumps(error.to_dict())}\n\ndata: [DONE]\n\n"
         finally:
             try:
-                await events.aclose()
-                await chunks.aclose()
+                await messages.aclose()
             finally:
                 await self.admission.release(ticket)
 

@@ -38,8 +38,8 @@ from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, RequestMetrics
 from deployments.stage_trace import mark
-from pipeline.api.chat_request import ParsedChat
-from pipeline.api.errors import MODEL_CHANGED, IrisError, bad_request
+from pipeline.api.media_parts import MediaItem
+from pipeline.errors import MODEL_CHANGED, IrisError, bad_request
 from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.model.embedding_form import CONNECTOR
 from pipeline.stage_io import EncodedMedia, MediaJob
@@ -52,17 +52,23 @@ HASH_IN_THREAD_BYTES = 256 * 1024
 
 @dataclass
 class RequestMedia:
-    """A request's images and videos, in prompt order, and how their features were obtained."""
-    keys: list[str] = field(default_factory=list)
-    datas: list[bytes | None] = field(default_factory=list)  # None: sent by uuid only
-    names: list[str] = field(default_factory=list)  # for errors: image[0], video[0], ...
-    modalities: list[str] = field(default_factory=list)
+    """A request's images and videos, in prompt order (each with its bytes and key), and how
+    their features were obtained."""
+    items: list[MediaItem] = field(default_factory=list)
     tenant: str = "default"
     # key -> ObjectRef of the VisionEncoder call computing it for this request (EncodedMedia or IrisError)
     delivered: dict = field(default_factory=dict)
     encodes: asyncio.Future | None = None  # this request's encodes (own and joined); None: nothing to wait for
     cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
     computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
+
+    @property
+    def keys(self) -> list[str]:
+        return [item.key for item in self.items]
+
+    @property
+    def modalities(self) -> list[str]:
+        return [item.modality for item in self.items]
 
     def take_encodes(self) -> asyncio.Future | None:
         """The encodes started since the last call, for the decode call to wait beside."""
@@ -103,23 +109,25 @@ class MediaFeatures:
         self._waiters: dict[str, int] = {}  # key -> requests waiting for its running encode
         self._known: OrderedDict[str, None] = OrderedDict()  # LRU of keys known to be stored
 
-    async def resolve(self, chat: ParsedChat, tenant: str) -> RequestMedia:
+    async def resolve(self, items: list[MediaItem], tenant: str) -> RequestMedia:
         """Keys of the request's items, with the misses computed (their references in `delivered`)."""
-        if not chat.media:
+        if not items:
             return RequestMedia()
         fingerprint = await self._get_fingerprint()
-        for item in chat.media:
+        for item in items:
             if item.modality not in self._modalities:
                 raise bad_request(f"this model takes no {item.modality} input (it takes "
                                   f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
         with tracing.span("ingress.fetch"):
             datas = list(await asyncio.gather(*(
                 load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
-                if item.url is not None else asyncio.sleep(0) for item in chat.media)))
+                if item.url is not None else asyncio.sleep(0) for item in items)))
         with tracing.span("ingress.cache_lookup") as lookup:
-            keys = [await self._key(fingerprint, tenant, item, data) for item, data in zip(chat.media, datas)]
-            media = RequestMedia(keys, datas, [item.name for item in chat.media],
-                                 [item.modality for item in chat.media], tenant)
+            for item, data in zip(items, datas):
+                item.data = data
+                item.key = await self._key(fingerprint, tenant, item, data)
+            keys = [item.key for item in items]
+            media = RequestMedia(items, tenant)
             unique = list(dict.fromkeys(keys))
             unknown = [k for k in unique if k not in self._known and k not in self._inflight]
             present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
@@ -132,8 +140,7 @@ class MediaFeatures:
                     "iris.cache.redis_hits": hits, "iris.cache.misses": len(present) - hits})
         mark("ingress.looked_up")
         self.cache_metrics.export()
-        missing = [item for item, key in zip(chat.media, keys)
-                   if item.url is None and key in present and not present[key]]
+        missing = [item for item in items if item.url is None and item.key in present and not present[item.key]]
         if missing:
             raise cache_miss([item.index for item in missing], [item.name for item in missing])
         for key in unknown:
@@ -152,15 +159,19 @@ class MediaFeatures:
         gone = set(gone)
         for key in gone:
             self._known.pop(key, None)
-        upload_free = [i for i, (key, data) in enumerate(zip(media.keys, media.datas)) if key in gone and data is None]
+        upload_free = [item for item in media.items if item.key in gone and item.data is None]
         if upload_free:
-            raise cache_miss(upload_free, [media.names[i] for i in upload_free])
+            raise cache_miss([item.index for item in upload_free], [item.name for item in upload_free])
         if encode:
             await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
 
     def forget_model(self) -> None:
         """A stage said the model changed: later requests key their items for the new weights."""
         self._fingerprint = None
+
+    def delivers_embeddings(self, modality: str) -> bool:
+        """Whether vLLM takes this modality's features as embeddings (else through Iris's EC connector)."""
+        return self._modalities.get(modality) != CONNECTOR
 
     async def model(self) -> dict:
         """The encoder's fingerprint (what a plain `vllm serve` with Iris's EC connector needs to
@@ -207,10 +218,9 @@ class MediaFeatures:
             if key in self._inflight:
                 joined.append(key)
             elif key not in self._known:
-                i = media.keys.index(key)
-                modality = media.modalities[i]
-                job = MediaJob(media.names[i], key, media.datas[i], modality, media.tenant,
-                               keep_source=self._modalities.get(modality) == CONNECTOR, trace=tracing.carrier())
+                item = next(item for item in media.items if item.key == key)
+                job = MediaJob(item.name, key, item.data, item.modality, media.tenant,
+                               keep_source=self._modalities.get(item.modality) == CONNECTOR, trace=tracing.carrier())
                 self._inflight[key] = self._start(job)
                 own.append(key)
         if not own and not joined:

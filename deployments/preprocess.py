@@ -23,7 +23,7 @@ from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import StageQueueMetrics, latency_histogram
 from deployments.stage_trace import mark
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 from pipeline.media.decode import check_video, decode_image
 from pipeline.model.vision_model import PixelInputs
 from pipeline.stage_io import MediaJob

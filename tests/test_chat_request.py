@@ -13,7 +13,7 @@ from pipeline.api.chat_request import (
     TextPart,
     parse_chat_request,
 )
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 
 IMG_A = "data:image/png;base64,iVBORw0KGgo="
 IMG_B = "https://example.invalid/b.jpg"  # never fetched: parsing only

@@ -18,7 +18,7 @@ from ray.exceptions import (
 from ray.serve.exceptions import DeploymentUnavailableError, RayServeException
 
 from deployments.failures import failure_response
-from pipeline.api.errors import bad_request
+from pipeline.errors import bad_request
 
 
 def _serve_upstream_crash() -> RayServeException:

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 from pipeline.media.address_policy import FetchPolicy, is_public
 from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.media.limits import MediaLimits

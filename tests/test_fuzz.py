@@ -22,7 +22,7 @@ from vllm.multimodal.media import ImageMediaIO
 
 from pipeline.api.body import parse_json_body
 from pipeline.api.chat_request import ParsedChat, parse_chat_request
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 from pipeline.media.decode import decode_image
 from pipeline.media.fetch import load_media_bytes
 from pipeline.media.limits import MediaLimits

@@ -13,7 +13,7 @@ from ray.serve.request_router import PendingRequest
 
 from deployments.decode_stream import session_of
 from deployments.image_affinity_router import ImageAffinityRouter
-from pipeline.stage_io import DecodeRequest
+from pipeline.stage_io import DecodeCall
 
 MAX_ONGOING = 4
 
@@ -33,10 +33,10 @@ def _router(num_replicas=3, **kwargs):
 
 
 def _decode_request(image_keys):
-    """A real DecodeRequest, whatever its other fields are today."""
-    values = {f.name: None for f in dataclasses.fields(DecodeRequest)
+    """A real DecodeCall, whatever its other fields are today."""
+    values = {f.name: None for f in dataclasses.fields(DecodeCall)
               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return DecodeRequest(**{**values, "media_keys": image_keys})
+    return DecodeCall(**{**values, "media_keys": image_keys})
 
 
 async def _route(router, image_keys):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, parse_json_body
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 
 
 def invalid(raw: bytes) -> IrisError:

@@ -3,7 +3,7 @@ tests/test_faults.py checks the same through the served app)."""
 
 import pytest
 
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 from pipeline.api.sampling import check_max_tokens, validate_sampling
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image, ImageFile
 from vllm.multimodal.media import ImageMediaIO
 
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 from pipeline.media.decode import decode_image
 from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.media.limits import MediaLimits

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pipeline.api import openai_format
-from pipeline.api.errors import bad_request
+from pipeline.errors import bad_request
 from pipeline.stage_io import DecodeChunk
 
 

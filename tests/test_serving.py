@@ -349,7 +349,7 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
     """A rolling update: an ingress still keying for the old weights gets 503 model_changed
     from the new replicas, never features of one model served to the other."""
     from cache_service.keys import content_key
-    from pipeline.api.errors import IrisError
+    from pipeline.errors import IrisError
     from pipeline.model.vision_model import PixelInputs
     from pipeline.stage_io import DecodeRequest
 

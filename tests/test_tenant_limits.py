@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from cache_service.config import CacheConfig
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 from pipeline.tenancy.limits import WINDOW_MS, LimitSet, TenantLimiter, TenantLimits
 from tests.cache_fixtures import free_port
 from tests.support.namespaces import SHARED_REDIS_URL

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 
 # A chat body is ~5 deep (body > messages > message > content > part > image_url);
 # client extras such as tool JSON schemas add some. 64 leaves ample room.

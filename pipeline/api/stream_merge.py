@@ -1,19 +1,20 @@
-"""Engine outputs merged into lists, one per Ray message: one message per token costs
-more than the token on a busy node (LLMDecode's `stream_interval_s`)."""
+"""A stream's items (vLLM's SSE events) merged into lists, one per Ray message: one message per
+token costs more than the token on a busy node (LLMDecode's `stream_interval_s`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 _END = object()
 
 
-async def merged_outputs(outputs: AsyncIterator, interval_s: float) -> AsyncIterator[list]:
-    """Engine outputs in lists: the first alone at once, then whatever arrived
-    while the previous list was sent, at most one list per `interval_s`; the
-    last output goes as soon as it arrives (waiting would only delay the answer)."""
+async def merged_outputs(outputs: AsyncIterator, interval_s: float,
+                         last: Callable[[object], bool] = lambda out: out.finished) -> AsyncIterator[list]:
+    """Items in lists: the first alone at once, then whatever arrived while the previous
+    list was sent, at most one list per `interval_s`; the `last` item goes as soon as it
+    arrives (waiting would only delay the answer)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     last_queued = asyncio.Event()  # the finished output, the end or an error is in the queue
@@ -22,7 +23,7 @@ async def merged_outputs(outputs: AsyncIterator, interval_s: float) -> AsyncIter
         try:
             async for out in outputs:
                 queue.put_nowait(out)
-                if out.finished:
+                if last(out):
                     last_queued.set()
             queue.put_nowait(_END)
         except Exception as err:  # e.g. vLLM's input validation: re-raised to the consumer

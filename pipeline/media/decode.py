@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from pipeline.api.errors import bad_request
+from pipeline.errors import bad_request
 from pipeline.media.limits import MediaLimits, too_large_bytes
 
 if TYPE_CHECKING:

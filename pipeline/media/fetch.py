@@ -30,7 +30,7 @@ import logging
 import httpx
 import pybase64  # vLLM's own: many times the standard library's speed on a validated decode
 
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 from pipeline.media.fetch_client import FetchRefused, GuardedClient
 from pipeline.media.limits import MediaLimits, too_large_bytes
 

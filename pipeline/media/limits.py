@@ -7,7 +7,7 @@ import ipaddress
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 from pipeline.media.address_policy import FetchPolicy, normalize_host
 
 MiB = 1024 * 1024

@@ -38,7 +38,7 @@ from PIL import Image
 
 from cache_service.codec import Features
 from cache_service.keys import content_hash
-from pipeline.api.errors import causes
+from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
 from pipeline.model.encoder_loading import load_encoder_only
 from pipeline.model.samples import sample_image_bytes, sample_video
@@ -294,6 +294,15 @@ class VisionModel:
         out their placeholders; the connector brings the values)."""
         load = self.load_image if modality == "image" else self.load_video
         return [load(f.tensors[SOURCE].numpy().tobytes()) for f in features]
+
+    def embedding_item(self, features: Features, modality: str = "image") -> Any:
+        """One item's embedding input as vLLM's chat parser takes it from an `image_embeds` /
+        `video_embeds` part: the values tensor, or a dict of values and metadata tensors (vLLM
+        merges a prompt's items itself)."""
+        form = self.forms[modality]
+        if not form.dict_input:
+            return features.tensors[form.values_field]
+        return {name: features.tensors[name] for name in (form.values_field, *form.metadata_fields)}
 
     def embedding_input(self, features: list[Features], modality: str = "image") -> Any:
         """`multi_modal_data[modality]` for these features, in prompt order."""

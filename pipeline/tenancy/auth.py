@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.api.errors import IrisError
+from pipeline.errors import IrisError
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cache_service.config import CacheConfig
 from cache_service.redis_client import REDIS_ERRORS, Backoff, connect
-from pipeline.api.errors import IrisError, bad_request
+from pipeline.errors import IrisError, bad_request
 
 logger = logging.getLogger(__name__)
 
