@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -37,7 +37,7 @@ from deployments.media_features import MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
 from deployments.stage_trace import mark
 from pipeline.api.body import read_json_body
-from pipeline.api.media_parts import MediaItem, media_items
+from pipeline.api.media_parts import MediaItem, parse_request, request_models
 from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import MODEL_CHANGED, IrisError
 from pipeline.model.keyed_media import keyed_part
@@ -66,17 +66,6 @@ class VLLMAnswer(Exception):
         self.response = response
 
 
-def _request_models() -> dict:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-
-    return {"chat": TypeAdapter(ChatCompletionRequest), "completion": TypeAdapter(CompletionRequest),
-            "responses": TypeAdapter(ResponsesRequest), "tokenize": TypeAdapter(TokenizeRequest),
-            "detokenize": TypeAdapter(DetokenizeRequest)}
-
-
 # User code on the replica's own event loop (Ray Serve's throughput-optimized setting): with
 # the user code in a thread of its own, each response message crosses threads, and behind
 # HAProxy the first token waited for the replica's other loop (bench/results/video/README.md).
@@ -95,7 +84,7 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        self.models = _request_models()
+        self.models = request_models()
         self.limits = {"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt}
         # What the module-level dependency and error handlers reach (one Ingress per replica process);
         # vLLM's validation handler reads `args`.
@@ -148,7 +137,7 @@ class Ingress:
     async def _text_route(self, route: str, request: Request) -> Response:
         """vLLM's /tokenize and /detokenize, answered by a decode replica's tokenizer."""
         try:
-            body = await self._parse(route, request)
+            body, _ = await self._parse(route, request)
             opened = await getattr(self.decode, route).remote(body)
         except VLLMAnswer as answer:
             return answer.response
@@ -156,16 +145,20 @@ class Ingress:
             return self.error_response(err, f"{route} failed")
         return Response(opened.body, status_code=opened.status, media_type="application/json")
 
-    async def _parse(self, route: str, request: Request):
-        """The body as vLLM's request model; a refusal in vLLM's shape as VLLMAnswer."""
+    async def _parse(self, route: str, request: Request) -> tuple:
+        """The body as vLLM's request model, and its media items; vLLM's refusal in its shape as VLLMAnswer."""
+        from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
         from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+        from vllm.exceptions import VLLMError
 
         body = await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
         try:
-            return self.models[route].validate_python(body)
+            return parse_request(self.models, route, body, self.limits)
         except ValidationError as err:
             errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors()]
             raise VLLMAnswer(await validation_exception_handler(request, RequestValidationError(errors))) from None
+        except (ValueError, TypeError, VLLMError) as err:  # raised by vLLM's own validators, past pydantic
+            raise VLLMAnswer(await exception_handler(request, err)) from None
 
     async def _answer(self, route: str, request: Request, tenant: str) -> Response:
         """A generation request within its deadline: parsed, admitted, its media keyed and computed,
@@ -197,11 +190,9 @@ class Ingress:
         the request's encodes, and again, once, after a rolling update (the items keyed anew) or
         after features vanished from the cache since they were looked up (computed again)."""
         with tracing.span("ingress.parse"):
-            body = await self._parse(route, request)
-            items = media_items(body, route, self.limits)
+            body, items = await self._parse(route, request)
         mark("ingress.parsed")
-        if route != "responses":
-            check_max_tokens(body, self.config.max_tokens_limit)
+        check_max_tokens(body, self.config.max_tokens_limit)
         await self.admission.admit(ticket, len(items))  # before any media work
         media = await self.features.resolve(items, ticket.tenant)
         rekeyed = recomputed = False

@@ -13,15 +13,19 @@ import json
 import struct
 import zlib
 
+import pickle
+
 import pytest
+from pydantic import ValidationError
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from PIL import Image
+from vllm.exceptions import VLLMError
 from vllm.multimodal.media import ImageMediaIO
 
 from pipeline.api.body import parse_json_body
-from pipeline.api.chat_request import ParsedChat, parse_chat_request
+from pipeline.api.media_parts import parse_request, request_models
 from pipeline.errors import IrisError
 from pipeline.media.decode import decode_image
 from pipeline.media.fetch import load_media_bytes
@@ -137,21 +141,29 @@ clean_bodies = st.fixed_dictionaries(
 bodies = st.one_of(clean_bodies, bodies)
 
 
-def check_parse(body, max_images: int = 4) -> ParsedChat | None:
+MODELS = request_models()
+
+
+def check_parse(body, max_images: int = 4):
+    """The ingress's parse: vLLM's request model, then Iris's media items. A refusal is pydantic's
+    (vLLM's validation handler formats it) or Iris's 400; what passes must cross to LLMDecode."""
     try:
-        chat = parse_chat_request(body, max_images)
+        request, items = parse_request(MODELS, "chat", body, {"image": max_images, "video": 1})
+    except ValidationError:
+        note("400 vLLM's validation")
+        return None
+    except (ValueError, TypeError, VLLMError):  # vLLM's own validators past pydantic: its 400 as `vllm serve` answers it
+        note("400 vLLM's validator")
+        return None
     except IrisError as err:
         check_client_error(err)
         note(f"400 {err.code or err.param}")
         return None
-    note(f"ok, {len(chat.media)} image(s)")
-    assert isinstance(chat, ParsedChat)
-    assert len(chat.media) <= max_images
-    assert [img.index for img in chat.media] == list(range(len(chat.media)))
-    # Everything we pass on must be sendable downstream (tokenizer, cache keys, JSON).
-    for s in strings_of(chat):
-        s.encode("utf-8")
-    return chat
+    note(f"ok, {len(items)} image(s)")
+    assert sum(item.modality == "image" for item in items) <= max_images
+    assert [item.index for item in items] == list(range(len(items)))
+    pickle.loads(pickle.dumps(request))  # Ray pickles it to the decode replica
+    return request
 
 
 @FUZZ
@@ -170,7 +182,7 @@ def test_fuzz_chat_request_any_json(body):
 @given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
        | bodies.map(lambda b: json.dumps(b).encode()))
 def test_fuzz_body_bytes_to_chat(raw):
-    """The ingress's path from raw bytes: parse_json_body then parse_chat_request."""
+    """The ingress's path from raw bytes: parse_json_body then parse_request."""
     try:
         body = parse_json_body(raw)
     except IrisError as err:
@@ -215,7 +227,7 @@ def test_hostile_chat_bodies(body):
 
 def test_huge_image_count_error_names_first_extra_image_only():
     with pytest.raises(IrisError) as ei:
-        parse_chat_request({"messages": [_user(*([IMG] * 10_000))]}, 4)
+        parse_request(MODELS, "chat", {"messages": [_user(*([IMG] * 10_000))]}, {"image": 4})
     assert ei.value.code == "too_many_images" and ei.value.param == "messages[0].content[4]"
 
 

@@ -3,8 +3,15 @@ tests/test_faults.py checks the same through the served app)."""
 
 import pytest
 
+from pipeline.api.media_parts import request_models
+from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import IrisError
-from pipeline.api.sampling import check_max_tokens, validate_sampling
+
+MODELS = request_models()
+
+
+def validate_sampling(body: dict, route: str):
+    return MODELS[route].validate_python(body)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -36,3 +43,11 @@ def test_completions_too():
     with pytest.raises(IrisError) as err:
         check_max_tokens(validate_sampling({"prompt": "hi", "max_tokens": 101}, "completion"), 100)
     assert err.value.param == "max_tokens"
+
+
+def test_responses_max_output_tokens_too():
+    body = {"input": "hi", "max_output_tokens": 101}
+    with pytest.raises(IrisError) as err:
+        check_max_tokens(validate_sampling(body, "responses"), 100)
+    assert err.value.param == "max_output_tokens"
+    check_max_tokens(validate_sampling({**body, "max_output_tokens": 100}, "responses"), 100)

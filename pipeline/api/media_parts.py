@@ -102,3 +102,23 @@ def _parts(body: Any, route: str):
         for pi, part in enumerate(content):
             if isinstance(part, dict):
                 yield f"{name}[{mi}].content[{pi}]", part
+
+
+def request_models() -> dict:
+    """Route -> vLLM's request model for it, as a pydantic TypeAdapter."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    return {"chat": TypeAdapter(ChatCompletionRequest), "completion": TypeAdapter(CompletionRequest),
+            "responses": TypeAdapter(ResponsesRequest), "tokenize": TypeAdapter(TokenizeRequest),
+            "detokenize": TypeAdapter(DetokenizeRequest)}
+
+
+def parse_request(models: dict, route: str, body: Any, limits: dict[str, int]) -> tuple[Any, list[MediaItem]]:
+    """The body as vLLM's request model (pydantic's ValidationError as vLLM raises it) and its
+    images and videos (IrisError 400)."""
+    request = models[route].validate_python(body)
+    return request, media_items(request, route, limits)
