@@ -351,14 +351,14 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
     from cache_service.keys import content_key
     from pipeline.errors import IrisError
     from pipeline.model.vision_model import PixelInputs
-    from pipeline.stage_io import DecodeRequest
+    from pipeline.stage_io import DecodeCall
 
     _, base, name = app
     stale = content_key("0ff1ce", _unique_png(), _namespace_of(name))
     refused = serve.get_deployment_handle("VisionEncoder", app_name=name).encode.remote(
         stale, PixelInputs(None, 1)).result()
     assert isinstance(refused, IrisError) and refused.code == "model_changed" and refused.status_code == 503
-    request = DecodeRequest("stale-1", [{"role": "user", "content": [{"type": "image"}]}], [stale], None)
+    request = DecodeCall("chat", None, [stale], ["image"])
     chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
                   .generate.remote(request))
     assert len(chunks) == 1 and isinstance(chunks[0].error, IrisError)
@@ -376,7 +376,7 @@ def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
     from ray.exceptions import ReferenceCountingAssertionError
 
     from cache_service.keys import content_key
-    from pipeline.stage_io import DecodeRequest
+    from pipeline.stage_io import DecodeCall
 
     _, base, name = app
 
@@ -386,8 +386,7 @@ def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
 
     fingerprint = serve.get_deployment_handle("VisionEncoder", app_name=name).get_fingerprint.remote().result()
     key = content_key(fingerprint, _unique_png(), _namespace_of(name), "default")
-    request = DecodeRequest("lost-ref-1", [{"role": "user", "content": [{"type": "image"}]}], [key], None,
-                            delivered={key: lost_features.remote()})
+    request = DecodeCall("chat", None, [key], ["image"], delivered={key: lost_features.remote()})
     chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
                   .generate.remote(request))
     assert len(chunks) == 1 and chunks[0].missing_keys == [key] and not chunks[0].error
