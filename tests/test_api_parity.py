@@ -316,13 +316,21 @@ def test_canaries_each_parameter_family_changes_the_answer(iris_base, tokenizer)
     assert seeded[0] == seeded[1] != seeded[2]
 
 
-def test_unsupported_parameters_are_refused_by_name(iris_base):
+def test_parameters_iris_once_refused_answer_as_vllm_serve(iris_base, vllm_base):
+    """Beam search, echo, prompt logprobs and tools (without a tool parser: vLLM's own 400) reach
+    vLLM's serving layer: the same status and body as `vllm serve`'s, less ids and times."""
+    def strip(answer: dict) -> dict:
+        # ec_transfer_params: the peer runs Iris's EC connector and names the image's items by its hash.
+        return {k: v for k, v in answer.items()
+                if k not in ("id", "created", "system_fingerprint", "ec_transfer_params")}
+
     for field, value in (("use_beam_search", True), ("echo", True), ("prompt_logprobs", 1),
                          ("tools", [{"type": "function", "function": {"name": "f"}}])):
-        r = httpx.post(f"{iris_base}/v1/chat/completions", json=chat(**{field: value}), timeout=60)
-        assert r.status_code == 400, (field, r.text)
-        assert r.json()["error"]["param"] == field, r.text
-    assert re.search("not supported", r.json()["error"]["message"])
+        body = chat(images=(IMG,), **GREEDY, **{field: value})
+        iris = httpx.post(f"{iris_base}/v1/chat/completions", json=body, timeout=120)
+        peer = httpx.post(f"{vllm_base}/v1/chat/completions", json=body, timeout=120)
+        assert iris.status_code == peer.status_code, (field, iris.text, peer.text)
+        assert strip(iris.json()) == strip(peer.json()), field
 
 
 def test_models_lists_vllm_fields(iris_base, vllm_base):
@@ -441,10 +449,15 @@ def test_completions_parity(iris_base, vllm_base):
             failures.append(f"request: {body}\nproblems: {problems}\niris ({si}): {ai}\nvllm ({sv}): {av}")
     print(f"completions parity: {len(cases) - len(failures)}/{len(cases)} agree")
     assert not failures, "\n".join(failures)
-    # echo (which vLLM honours) is refused by name, never dropped
-    r = httpx.post(f"{iris_base}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
-                                                        "echo": True}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    # What Iris once refused, answered by vLLM's serving layer: echo, prompt logprobs, token ids, batches.
+    for extra in ({"prompt": prompt, "echo": True, "logprobs": 1}, {"prompt": prompt, "prompt_logprobs": 2},
+                  {"prompt": [64, 65, 66]}, {"prompt": [prompt, "Hello"]}, {"prompt": [[1, 2], [3, 4, 5]]}):
+        body = {"model": NAME, "max_tokens": 4, "temperature": 0, **extra}
+        iris, peer = (httpx.post(f"{base}/v1/completions", json=body, timeout=120) for base in (iris_base, vllm_base))
+        assert iris.status_code == peer.status_code == 200, (extra, iris.text, peer.text)
+        strip = ("id", "created", "system_fingerprint")
+        assert ({k: v for k, v in iris.json().items() if k not in strip}
+                == {k: v for k, v in peer.json().items() if k not in strip}), extra
 
 
 def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
@@ -496,9 +509,10 @@ def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
 
 
 def test_tokenize_refuses_images_by_name(iris_base, vllm_base):
-    """vLLM counts an image's expanded tokens; Iris refuses images in /tokenize with a 400 naming them."""
+    """vLLM counts an image's expanded tokens; Iris refuses images in /tokenize with a 400 naming them
+    (its decode replicas fetch no media: the ingress does, for generation requests)."""
     body = {"messages": chat("What is this?", images=(IMG,))["messages"]}
     assert httpx.post(f"{vllm_base}/tokenize", json=body, timeout=60).status_code == 200
     r = httpx.post(f"{iris_base}/tokenize", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image_url", r.text
     assert "image" in r.json()["error"]["message"], r.text
