@@ -49,6 +49,9 @@ from pipeline.tenancy.tenant import cache_salt
 logger = logging.getLogger("ray.serve")
 # A request that ends without its first chunk after this long is logged (a deadline, a client that left).
 SLOW_FIRST_OUTPUT_S = 5.0
+# Iris's defaults for vLLM flags a user may still set: usage reports prefix-cache hits
+# (`prompt_tokens_details.cached_tokens`), which is what Iris's caches are for.
+DEFAULT_FLAGS = {"enable_prompt_tokens_details": True}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -78,7 +81,7 @@ class LLMDecode:
         self.staging = FeatureStaging() if connector_widths else None
         connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
         self.args = serve_args(self.vision.checkpoint, {
-            **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args, **REQUIRED,
+            **DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args, **REQUIRED,
             **connector, "served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
             "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}})
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's

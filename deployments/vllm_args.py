@@ -54,8 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     return make_arg_parser(Parser(prog="vllm serve"))
 
 
-def _flag(dest: str) -> argparse.Action | None:
-    return next((a for a in _parser()._actions if a.dest == dest and a.option_strings), None)
+@cache
+def _defaults() -> dict[str, Any]:
+    """Every flag's name (its argparse dest) and default value."""
+    return vars(_parser().parse_args(["--model", "placeholder-model"]))
 
 
 def check_engine_args(values: dict[str, Any]) -> None:
@@ -67,7 +69,7 @@ def check_engine_args(values: dict[str, Any]) -> None:
         if name in values and values[name] != required:
             raise ValueError(f"engine_args.{name} must be {required}: Iris feeds features as embeddings "
                              "and relies on prefix caching")
-    unknown = sorted(name for name in values if _flag(name) is None)
+    unknown = sorted(set(values) - set(_defaults()))
     if unknown:
         raise ValueError(f"unknown vLLM flags {unknown} (engine_args takes `vllm serve`'s flags, "
                          "with underscores: `vllm serve --help`)")
@@ -75,23 +77,22 @@ def check_engine_args(values: dict[str, Any]) -> None:
 
 
 def argv(values: dict[str, Any]) -> list[str]:
-    """The command line for these settings."""
+    """The command line for these settings (vLLM's flags are their names with dashes)."""
     out: list[str] = []
+    defaults = _defaults()
     for name, value in values.items():
-        action = _flag(name)
-        if action is None:
+        if name not in defaults:
             raise ValueError(f"unknown vLLM flag {name!r}")
-        flag = max(action.option_strings, key=lambda s: s.startswith("--"))
+        flag = "--" + name.replace("_", "-")
         if value is None:
             continue
-        if action.nargs == 0:  # a switch: --x, or --no-x where vLLM has one
-            negative = next((s for s in action.option_strings if s.startswith("--no-")), None)
+        if isinstance(value, bool):  # a switch: --x on; --no-x off, where it is on by default
             if value:
-                out.append(flag.replace("--no-", "--") if flag.startswith("--no-") else flag)
-            elif negative:
-                out.append(negative)
+                out.append(flag)
+            elif defaults[name] is not False:  # (None: vLLM decides, e.g. prefix caching)
+                out.append("--no-" + name.replace("_", "-"))
             continue
-        items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
+        items = value if isinstance(value, list) else [value]
         out.append(flag)
         out.extend(v if isinstance(v, str) else json.dumps(v) for v in items)
     return out

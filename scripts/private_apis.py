@@ -128,12 +128,6 @@ PRIVATE_APIS: tuple[Private, ...] = (
             ("tests/support/family_engine.py",),
             "vLLM shares rotary embeddings between models built in one process; the encoder-only "
             "build leaves the language model's unallocated, so the test clears it"),
-    Private("vllm", "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion",
-            "_create_completion_logprobs", "attr", ("tests/test_logprobs_shape.py",),
-            "Iris's completion logprobs compared with vLLM's own builder"),
-    Private("vllm", "vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion",
-            "_get_decoded_token", "attr", ("tests/test_logprobs_shape.py",),
-            "what vLLM's builder calls on its server object"),
     # --- httpx / httpcore ------------------------------------------------------------------
     Private("httpx", "httpx.AsyncHTTPTransport", "_pool", "instance", ("pipeline/media/fetch_client.py",),
             "the transport's httpcore pool replaced by one with Iris's network backend (every "

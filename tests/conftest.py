@@ -133,7 +133,8 @@ class VllmServers:
         ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
               "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
         engine = EngineSettings(self.checkpoint(family), dtype, 2048, 2, 1,
-                                ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)))
+                                ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec),
+                                 "--enable-prompt-tokens-details"))  # as Iris by default (usage.cached_tokens)
         return _start_vllm(1, engine, self.tmp.mktemp("vllm"), time.monotonic(), 600), ec_dir
 
     def _stop(self, key: tuple[str, str]) -> None:
