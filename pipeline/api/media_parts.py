@@ -20,6 +20,10 @@ PART_TYPES = {"image_url": ("image", "image_url"), "video_url": ("video", "video
               "input_image": ("image", "image_url")}
 
 
+# Per-request settings of the image path, which is the server's (one setting for every stage).
+SERVER_MEDIA_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
 @dataclass
 class MediaItem:
     index: int  # position among the request's images and videos
@@ -121,4 +125,10 @@ def parse_request(models: dict, route: str, body: Any, limits: dict[str, int]) -
     """The body as vLLM's request model (pydantic's ValidationError as vLLM raises it) and its
     images and videos (IrisError 400)."""
     request = models[route].validate_python(body)
-    return request, media_items(request, route, limits)
+    items = media_items(request, route, limits)
+    for name in SERVER_MEDIA_SETTINGS:
+        if items and getattr(request, name, None):
+            raise bad_request(f"{name} is not supported per request by this server: its images and videos are "
+                              "processed by its own stages, with the server's engine_args.{name}",
+                              param=name, code="unsupported_parameter")
+    return request, items
