@@ -129,6 +129,6 @@ def parse_request(models: dict, route: str, body: Any, limits: dict[str, int]) -
     for name in SERVER_MEDIA_SETTINGS:
         if items and getattr(request, name, None):
             raise bad_request(f"{name} is not supported per request by this server: its images and videos are "
-                              "processed by its own stages, with the server's engine_args.{name}",
+                              f"processed by its own stages, with the server's engine_args.{name}",
                               param=name, code="unsupported_parameter")
     return request, items
