@@ -211,6 +211,7 @@ class LLMDecode:
                 return
             with keyed_media.request_media(items):
                 answer = await self._serve(call, trace)
+            usage = engine_usage.current()
             if not hasattr(answer, "__aiter__"):
                 yield answer
             else:
@@ -218,11 +219,16 @@ class LLMDecode:
                 async with aclosing(merged_outputs(answer, self.config.stream_interval_s,
                                                    last=lambda event: "data: [DONE]" in event)) as merged:
                     async for events in merged:
-                        yield "".join(events)
+                        text = "".join(events)
+                        if "data: [DONE]" in text:  # the engine is done: its counts go before the client's [DONE]
+                            self._count_tokens(usage)
+                            yield usage
+                            yield text
+                            return
+                        yield text
         finally:
             if staged:  # the engine took the features in its prefill (or never will: the request ended)
                 self.staging.release(staged)
-        usage = engine_usage.current()
         self._count_tokens(usage)
         yield usage
 

@@ -22,9 +22,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -35,9 +33,9 @@ from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
 from deployments.media_features import MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
+from deployments.request_parsing import RequestParser, VLLMAnswer
 from deployments.stage_trace import mark
-from pipeline.api.body import read_json_body
-from pipeline.api.media_parts import MediaItem, parse_request, request_models
+from pipeline.api.media_parts import MediaItem
 from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import MODEL_CHANGED, IrisError
 from pipeline.model.keyed_media import keyed_part
@@ -59,13 +57,6 @@ async def _refused(request: Request, err: IrisError) -> JSONResponse:
     return request.app.state.ingress.error_response(err, "request refused")
 
 
-class VLLMAnswer(Exception):
-    """An answer in vLLM's own shape (a refused request) that ends a route early."""
-
-    def __init__(self, response: Response):
-        self.response = response
-
-
 # User code on the replica's own event loop (Ray Serve's throughput-optimized setting): with
 # the user code in a thread of its own, each response message crosses threads, and behind
 # HAProxy the first token waited for the replica's other loop (bench/results/video/README.md).
@@ -84,15 +75,11 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        self.models = request_models()
-        self.limits = {"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt}
+        self.parser = RequestParser(config)
         # What the module-level dependency and error handlers reach (one Ingress per replica process);
         # vLLM's validation handler reads `args`.
         app.state.ingress = self
         app.state.args = SimpleNamespace(log_error_stack=False)
-        # Room for every image and video as base64 (4/3 of its bytes) plus 1 MiB of text.
-        self.max_body_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
-                               + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3 + (1 << 20)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -137,28 +124,13 @@ class Ingress:
     async def _text_route(self, route: str, request: Request) -> Response:
         """vLLM's /tokenize and /detokenize, answered by a decode replica's tokenizer."""
         try:
-            body, _ = await self._parse(route, request)
+            body, _ = await self.parser.parse(route, request)
             opened = await getattr(self.decode, route).remote(body)
         except VLLMAnswer as answer:
             return answer.response
         except Exception as err:  # a client error, a dead replica (503), a bug (500)
             return self.error_response(err, f"{route} failed")
         return Response(opened.body, status_code=opened.status, media_type="application/json")
-
-    async def _parse(self, route: str, request: Request) -> tuple:
-        """The body as vLLM's request model, and its media items; vLLM's refusal in its shape as VLLMAnswer."""
-        from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
-        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
-        from vllm.exceptions import VLLMError
-
-        body = await read_json_body(request.stream(), request.headers.get("content-length"), self.max_body_bytes)
-        try:
-            return parse_request(self.models, route, body, self.limits)
-        except ValidationError as err:
-            errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors()]
-            raise VLLMAnswer(await validation_exception_handler(request, RequestValidationError(errors))) from None
-        except (ValueError, TypeError, VLLMError) as err:  # raised by vLLM's own validators, past pydantic
-            raise VLLMAnswer(await exception_handler(request, err)) from None
 
     async def _answer(self, route: str, request: Request, tenant: str) -> Response:
         """A generation request within its deadline: parsed, admitted, its media keyed and computed,
@@ -190,7 +162,7 @@ class Ingress:
         the request's encodes, and again, once, after a rolling update (the items keyed anew) or
         after features vanished from the cache since they were looked up (computed again)."""
         with tracing.span("ingress.parse"):
-            body, items = await self._parse(route, request)
+            body, items = await self.parser.parse(route, request)
         mark("ingress.parsed")
         check_max_tokens(body, self.config.max_tokens_limit)
         await self.admission.admit(ticket, len(items))  # before any media work
@@ -249,14 +221,17 @@ class Ingress:
                 await messages.aclose()
             finally:
                 await self.admission.release(ticket)
-        self.metrics.outcome("ok" if first.status == 200 else "refused")
+        if first.status == 200:
+            self.metrics.outcome("ok")
+        else:  # vLLM refused the request
+            self.metrics.error(first.status, None)
         return Response(first.body, status_code=first.status, media_type="application/json", headers=headers)
 
     async def _sse(self, messages: AsyncIterator, ticket: Ticket):
         """A streamed answer's body: vLLM's events. Once the stream has started, an error of Iris's
         (the deadline, a dead replica) is reported in-band, as vLLM does its own. The ticket goes
-        back, charged, with the last message, before the client reads [DONE] is done (its next
-        request may follow at once), or when the stream closes otherwise."""
+        back, charged, with LLMDecode's DecodeDone, which comes before the text that holds vLLM's
+        [DONE] (the client's next request may follow at once), or when the stream closes otherwise."""
         try:
             try:
                 async for message in messages:
