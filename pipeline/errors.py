@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import ValidationError
-
 # Maps a status code to OpenAI's `type` when the caller does not give one.
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
@@ -84,11 +82,6 @@ def bad_request(
     return IrisError(message, status_code=400, param=param, code=code, extra=extra)
 
 
-def not_found(message: str, param: str | None = None, code: str | None = None) -> IrisError:
-    """404 not_found_error, e.g. an unknown model name."""
-    return IrisError(message, status_code=404, param=param, code=code)
-
-
 def server_error(message: str, code: str | None = None, status_code: int = 500) -> IrisError:
     """5xx server_error: our fault or a dependency's, never the client's."""
     return IrisError(message, status_code=status_code, type="server_error", code=code)
@@ -103,12 +96,6 @@ def model_changed() -> IrisError:
                      code=MODEL_CHANGED)
 
 
-def vllm_refusal(err: Exception, param: str | None = None, code: str | None = None) -> IrisError:
-    """400 for a request vLLM's own validation refused (its VLLMClientError, ValueError or TypeError),
-    naming the parameter vLLM names, else `param`."""
-    return bad_request(str(err).split(" (parameter=")[0], param=getattr(err, "parameter", None) or param, code=code)
-
-
 def causes(err: BaseException | None, limit: int = 16) -> Iterator[BaseException]:
     """`err`, then what caused it, outermost first: the explicit cause, else the context, else a Ray
     task error's `cause`."""
@@ -119,60 +106,3 @@ def causes(err: BaseException | None, limit: int = 16) -> Iterator[BaseException
         ray_cause = getattr(err, "cause", None)
         err = err.__cause__ or err.__context__ or (ray_cause if isinstance(ray_cause, BaseException) else None)
 
-
-# ---------------------------------------------------------------------------
-# pydantic ValidationError -> IrisError
-# ---------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------
-
-_JSON_TYPE_NAMES = {
-    str: "string",
-    int: "integer",
-    float: "number",
-    bool: "boolean",
-    list: "array",
-    dict: "object",
-    type(None): "null",
-}
-
-
-def format_loc(loc: tuple[str | int, ...]) -> str:
-    """('messages', 1, 'content', 0, 'image_url') -> 'messages[1].content[0].image_url'."""
-    out = ""
-    for item in loc:
-        if isinstance(item, str) and "(" in item:  # pydantic's validator tags, e.g. function-wrap[f()]
-            continue
-        if isinstance(item, int):
-            out += f"[{item}]"
-        else:
-            out += f".{item}" if out else str(item)
-    return out
-
-
-def validation_error(exc: ValidationError) -> IrisError:
-    """Turn pydantic's first error into a 400 that names the field and problem.
-
-    The offending value is never echoed back: it may be a multi-megabyte
-    data URL.
-    """
-    errors = exc.errors(include_url=False, include_input=True)
-    first = errors[0]
-    param = format_loc(tuple(first["loc"])) or None
-    msg = first["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    value = first.get("input")
-    if first["type"] == "missing":
-        msg = "this field is required"
-    elif first["type"] in ("model_type", "model_attributes_type", "dict_type"):
-        # pydantic would name our internal class; clients know JSON objects.
-        msg = f"Input should be an object (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
-    elif first["type"] == "literal_error" and isinstance(value, str) and len(value) <= 64:
-        msg = f"{msg} (got {value!r})"
-    elif first["type"].endswith("_type") or first["type"] == "literal_error":
-        msg = f"{msg} (got {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)})"
-    message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(message, param=param)
