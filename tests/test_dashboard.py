@@ -32,6 +32,10 @@ from tests.support.images import REFERENCE_TEXT, data_url, image_part, unique_pn
 ROOT = Path(__file__).resolve().parent.parent
 # Ray Serve's own metrics the dashboard shows (checked against the installed Ray's source below).
 SERVE_METRICS_SHOWN = {"serve_deployment_replica_healthy"}
+# vLLM's engine metrics the dashboard shows, as vLLM declares them (its Ray stat logger exports them
+# with ':' as '_'; checked against the installed vLLM's source below).
+VLLM_METRICS_SHOWN = {"vllm:num_requests_running": "Gauge", "vllm:num_requests_waiting": "Gauge",
+                      "vllm:kv_cache_usage_perc": "Gauge"}
 _SUFFIXES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_sum", "_count")}
 _CONSTRUCTORS = {"Counter": "Counter", "Gauge": "Gauge", "Histogram": "Histogram",
                  "latency_histogram": "Histogram"}  # deployments/metrics.py's helper
@@ -95,12 +99,21 @@ def test_iris_metrics_are_found_in_the_code():
     assert len(iris) >= 14, iris
 
 
+def _vllm_metrics_shown() -> dict[str, str]:
+    """VLLM_METRICS_SHOWN as Ray exports them, each checked to be declared in vLLM's stat loggers."""
+    loggers = (Path(importlib.util.find_spec("vllm").origin).parent / "v1/metrics/loggers.py").read_text()
+    for name in VLLM_METRICS_SHOWN:
+        assert f'name="{name}"' in loggers, f"{name}: not a metric of the installed vLLM"
+    return {name.replace(":", "_"): kind for name, kind in VLLM_METRICS_SHOWN.items()}
+
+
 def test_every_panel_queries_only_declared_metrics():
     known = exported_names(_iris_metrics()) | exported_names(
-        {n: k for n, k in _ray_serve_metrics().items() if n in SERVE_METRICS_SHOWN})
+        {n: k for n, k in _ray_serve_metrics().items() if n in SERVE_METRICS_SHOWN}) | exported_names(
+        _vllm_metrics_shown())
     assert SERVE_METRICS_SHOWN <= set(_ray_serve_metrics()), "a Ray Serve metric the dashboard shows is not in Ray"
     unknown = {(q.panel, name) for q in panel_queries() for name in metric_names(q.expr) if name not in known}
-    assert not unknown, f"panels query metrics that neither Iris nor Ray Serve declares: {sorted(unknown)}"
+    assert not unknown, f"panels query metrics that neither Iris, Ray Serve nor vLLM declares: {sorted(unknown)}"
 
 
 def test_every_iris_metric_is_on_a_panel():
