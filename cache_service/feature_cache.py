@@ -95,6 +95,12 @@ class FeatureCache:
         computed them writes L2."""
         self._l1.put(key, features.cpu(), in_l2=False)
 
+    def forget(self, key: str) -> bool:
+        """Drop `key` from L1 (L2 is untouched); whether L1 held it."""
+        held = key in self._l1
+        self._l1.discard(key)
+        return held
+
     async def put_many(self, items: list[tuple[str, Features]]) -> list[bool]:
         """Store in L1 and L2; True where the value is now in L2."""
         stored = [False] * len(items)

@@ -26,7 +26,15 @@ Videos have keys of their own kinds, `vc`, `vt` and `vu` for `c`, `t` and `u`: v
   by guessing an id; a missing tenant is "default".
 
 Client UUIDs follow vLLM's `multi_modal_uuids`: one entry per item, and `None`
-means "use the content key" (the caller picks `uuid_key` or `content_key`).
+means "use the content key" (the caller picks `uuid_key` or `content_key`, or `item_key`
+does).
+
+Reserved uuid form, content uuids: `blake3:<64 lowercase hex>` names an item by its content
+(the hash above), so a client can send an item it sent before without choosing ids itself
+(iris_client computes it). Such a uuid maps to the item's content key, with the content key's
+tenant scoping, never to a uuid key; a uuid that starts with `blake3:` (any case) and is not
+exactly that form is refused, and one sent with bytes must be their hash (else a client could
+store its bytes under another image's content key).
 """
 
 from __future__ import annotations
@@ -59,9 +67,62 @@ def content_key(
 ) -> str:
     """Key of an image (or video) by its content: shared across tenants when `tenant` is None,
     else private to that tenant."""
+    return _content_key_of_hash(fingerprint, content_hash(data), namespace, tenant, modality)
+
+
+def _content_key_of_hash(fingerprint: str, digest: str, namespace: str, tenant: str | None, modality: str) -> str:
     if tenant is None:
-        return f"{_prefix(namespace, fingerprint)}:{_kind('c', modality)}:{content_hash(data)}"
-    return f"{_prefix(namespace, fingerprint)}:{_kind('t', modality)}:{_escape(_tenant(tenant))}:{content_hash(data)}"
+        return f"{_prefix(namespace, fingerprint)}:{_kind('c', modality)}:{digest}"
+    return f"{_prefix(namespace, fingerprint)}:{_kind('t', modality)}:{_escape(_tenant(tenant))}:{digest}"
+
+
+CONTENT_UUID_PREFIX = "blake3:"
+_CONTENT_UUID_RE = re.compile(r"blake3:([0-9a-f]{64})")
+
+
+class InvalidContentUuid(ValueError):
+    """A uuid in the reserved `blake3:` form that is malformed, or does not match its bytes."""
+
+
+def content_uuid(data: bytes) -> str:
+    """The reserved-form uuid naming `data` by content (what iris_client sends)."""
+    return CONTENT_UUID_PREFIX + content_hash(data)
+
+
+def parse_content_uuid(uuid: str | None) -> str | None:
+    """The hash a content uuid names; None for an ordinary uuid (or none). Raises
+    InvalidContentUuid for a uuid in the reserved form that is not exactly blake3:<64 hex>."""
+    if not isinstance(uuid, str) or uuid[:len(CONTENT_UUID_PREFIX)].lower() != CONTENT_UUID_PREFIX:
+        return None
+    match = _CONTENT_UUID_RE.fullmatch(uuid)
+    if match is None:
+        raise InvalidContentUuid(
+            f"a uuid starting with {CONTENT_UUID_PREFIX!r} is a content key and must be "
+            f"{CONTENT_UUID_PREFIX}<64 lowercase hex digits of the blake3 hash of the bytes>, got {uuid[:80]!r}")
+    return match.group(1)
+
+
+def item_key(
+    fingerprint: str, tenant: str | None, uuid: str | None, data: bytes | None, *,
+    namespace: str = DEFAULT_NAMESPACE, modality: str = "image", content_owner: str | None = None,
+) -> str:
+    """The key of one request item: its uuid's key, the content key a content uuid names
+    (checked against `data` when the bytes came too), or the content key of `data`.
+    `content_owner`: the tenant content keys are private to, None when shared (the caller's
+    `share_content_cache_across_tenants`). Raises ValueError (InvalidContentUuid for the
+    reserved form) for what the client must fix."""
+    digest = parse_content_uuid(uuid)
+    if digest is None and uuid:
+        return uuid_key(fingerprint, tenant, uuid, namespace, modality)
+    if data is not None:
+        actual = content_hash(data)
+        if digest is not None and actual != digest:
+            raise InvalidContentUuid(f"uuid {uuid!r} is not the blake3 hash of the bytes sent with it "
+                                     f"(they hash to {CONTENT_UUID_PREFIX}{actual})")
+        digest = actual
+    if digest is None:
+        raise ValueError("an item needs bytes or a uuid")
+    return _content_key_of_hash(fingerprint, digest, namespace, content_owner, modality)
 
 
 def uuid_key(

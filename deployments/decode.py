@@ -372,6 +372,11 @@ class LLMDecode:
             stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged}
         return stats
 
+    def forget_features(self, keys: list[str]) -> int:
+        """Drop `keys` from this replica's memory; how many it held. With the keys deleted from Redis
+        too, the cache has lost them (tests/test_client.py makes its upload-free misses so)."""
+        return sum(self.cache.forget(key) for key in keys)
+
     def check_health(self) -> None:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine is dead: {self.engine.dead_error}")

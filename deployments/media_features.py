@@ -27,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.feature_cache import FeatureCache
-from cache_service.keys import content_key, uuid_key
+from cache_service.keys import InvalidContentUuid, item_key, parse_content_uuid
 from deployments import tracing
 from deployments.config import IrisConfig
 from deployments.metrics import CacheMetrics, RequestMetrics
@@ -185,19 +186,22 @@ class MediaFeatures:
         return self._fingerprint
 
     async def _key(self, fingerprint: str, tenant: str, item, data: bytes | None) -> str:
-        namespace = self.config.cache.namespace
-        try:
-            if item.uuid:
-                return uuid_key(fingerprint, tenant, item.uuid, namespace, item.modality)
-        except ValueError as err:
-            raise bad_request(str(err), param=f"{item.name}.uuid", code="invalid_uuid") from err
+        """The item's key (cache_service/keys.py item_key): its uuid's, or the content key of its
+        bytes or of the `blake3:<hash>` content uuid it names (checked against bytes sent with it)."""
         # Content keys private to the tenant unless sharing is configured (docs/security.md).
         owner = None if self.config.share_content_cache_across_tenants else tenant
+        key = functools.partial(item_key, fingerprint, tenant, item.uuid, data, namespace=self.config.cache.namespace,
+                                modality=item.modality, content_owner=owner)
         try:
-            if len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
-                return await asyncio.to_thread(content_key, fingerprint, data, namespace, owner, item.modality)
-            return content_key(fingerprint, data, namespace, owner, item.modality)
-        except ValueError as err:  # e.g. an over-long tenant header
+            hashes = data is not None and (not item.uuid or parse_content_uuid(item.uuid) is not None)
+            if hashes and len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
+                return await asyncio.to_thread(key)
+            return key()
+        except InvalidContentUuid as err:
+            raise bad_request(str(err), param=f"{item.name}.uuid", code="invalid_content_uuid") from err
+        except ValueError as err:  # an over-long uuid or tenant header
+            if item.uuid:
+                raise bad_request(str(err), param=f"{item.name}.uuid", code="invalid_uuid") from err
             raise bad_request(str(err), param=None, code="invalid_tenant") from err
 
     def _remember(self, key: str) -> None:

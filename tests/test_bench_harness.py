@@ -643,7 +643,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
     from bench.__main__ import EXPERIMENTS, main
 
     assert set(EXPERIMENTS) == {"compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                "tenants", "vision-vs-prefill", "vllm", "json-body", "ec-connector"}
+                                "tenants", "vision-vs-prefill", "vllm", "json-body", "ec-connector", "upload_free"}
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -663,7 +663,7 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
 
 
 @pytest.mark.parametrize("name", ["compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                  "tenants", "vision-vs-prefill", "json-body", "ec-connector"])
+                                  "tenants", "vision-vs-prefill", "json-body", "ec-connector", "upload_free"])
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -686,7 +686,8 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
                "vision-vs-prefill": ["--repeats", "--families", "--out"],
                "json-body": ["--rounds", "--iters", "--out-dir"],
-               "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"]}[name]
+               "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"],
+               "upload_free": ["--model", "--requests", "--peers", "--seed", "--out-dir"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 
