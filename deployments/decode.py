@@ -49,6 +49,7 @@ from pipeline.tenancy.tenant import cache_salt
 logger = logging.getLogger("ray.serve")
 # A request that ends without its first chunk after this long is logged (a deadline, a client that left).
 SLOW_FIRST_OUTPUT_S = 5.0
+PLACEHOLDER_MISSING = "Failed to apply prompt replacement"  # vLLM's words for an item its prompt has no place for
 # Iris's defaults for vLLM flags a user may still set: usage reports prefix-cache hits
 # (`prompt_tokens_details.cached_tokens`), which is what Iris's caches are for.
 DEFAULT_FLAGS = {"enable_prompt_tokens_details": True}
@@ -256,6 +257,10 @@ class LLMDecode:
         except Exception as err:  # what vLLM's exception handlers answer with
             answer = create_error_response(err)
         if isinstance(answer, ErrorResponse):
+            if answer.error.code == 500 and PLACEHOLDER_MISSING in answer.error.message:
+                # A chat template that places no token for an item (one that takes no video, say):
+                # the request's input, not a fault of the server (`vllm serve` answers 500).
+                answer.error.code, answer.error.type = 400, "BadRequestError"
             return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
         if hasattr(answer, "__aiter__"):
             return answer

@@ -44,6 +44,7 @@ from pipeline.tenancy.limits import Ticket
 
 # What vLLM reads of an HTTP request's headers (its request id; the trace context travels apart).
 FORWARDED_HEADERS = ("x-request-id",)
+ANSWER_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}  # vLLM's, before the request id
 
 # No /docs, /redoc or /openapi.json: every route but /health needs a key (docs/security.md).
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving",
@@ -164,6 +165,10 @@ class Ingress:
         with tracing.span("ingress.parse"):
             body, items = await self.parser.parse(route, request)
         mark("ingress.parsed")
+        forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        # The id vLLM gives the answer: its prefix, then X-Request-Id, else the body's request_id.
+        tracing.tag_request(request_id=ANSWER_ID_PREFIX.get(route, "") + (forwarded.get("x-request-id")
+                                                                          or getattr(body, "request_id", "")))
         check_max_tokens(body, self.config.max_tokens_limit)
         await self.admission.admit(ticket, len(items))  # before any media work
         media = await self.features.resolve(items, ticket.tenant)
@@ -172,8 +177,7 @@ class Ingress:
             self._key_parts(media.items)
             tracing.tag_request(images_cached=media.cached, images_computed=media.computed,
                                 cache=tracing.cache_outcome(media.cached, media.computed))
-            call = DecodeCall(route, body, media.keys, media.modalities, media.delivered, ticket.tenant,
-                              {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers},
+            call = DecodeCall(route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded,
                               tracing.carrier())
             stream = await DecodeStream.open(self.decode, call, media.take_encodes())
             first = stream.first

@@ -128,6 +128,9 @@ PRIVATE_APIS: tuple[Private, ...] = (
             ("tests/support/family_engine.py",),
             "vLLM shares rotary embeddings between models built in one process; the encoder-only "
             "build leaves the language model's unallocated, so the test clears it"),
+    Private("vllm", "vllm.renderers.chat_utils", "_get_embeds_data", "attr", ("pipeline/model/vision_model.py",),
+            "how vLLM's chat parser merges a request's image_embeds parts: the embedding input Iris checks at "
+            "start-up is the one the engine will get"),
     # --- httpx / httpcore ------------------------------------------------------------------
     Private("httpx", "httpx.AsyncHTTPTransport", "_pool", "instance", ("pipeline/media/fetch_client.py",),
             "the transport's httpcore pool replaced by one with Iris's network backend (every "

@@ -172,17 +172,15 @@ def test_features_equal_the_engine_encoder_output(systems, image):
 
 
 def test_one_token_prompt_leaves_the_replica_serving(systems):
-    """vLLM's CPU kernel for linear attention fails on a 1-token prefill and its engine dies
-    (`vllm serve` too): Iris refuses that prompt with a 400 on those models and serves it on the
-    others. Either way the replica answers the next request."""
+    """A 1-token prompt, once the end of vLLM's engine on its CPU kernel for linear attention when
+    Iris built the engine's prompts itself (Iris refused it then): through vLLM's own serving layer
+    it is served, on hybrid models too, and the replica answers the next request."""
     family, _, iris, _, _, _ = systems
     tokens = httpx.post(f"{iris}/tokenize", json={"model": NAME, "prompt": "a"}, timeout=60).json()["tokens"]
     r = httpx.post(f"{iris}/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2}, timeout=120)
     if family in HYBRID_FAMILIES:
-        assert len(tokens) == 1, tokens  # else the case is not the one vLLM fails on
-        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_short", r.text
-    else:
-        assert r.status_code == 200, r.text
+        assert len(tokens) == 1, tokens  # else the case is not the one vLLM failed on
+    assert r.status_code == 200, r.text
     assert _chat(iris, ["square"])["choices"][0]["message"]["content"]
 
 

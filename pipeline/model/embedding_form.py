@@ -21,7 +21,6 @@ class EmbeddingForm:
     values_field: str
     metadata_fields: tuple[str, ...]
     dict_input: bool
-    batched_values: bool = False  # dict input: one tensor per item rather than all rows in one
     width: int | None = None  # of the values, known once the encoder was loaded here
     metadata_kinds: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # name -> (dtype, ndim)
     delivery: str = EMBEDDINGS  # or CONNECTOR; decided by VisionModel.load_encoder

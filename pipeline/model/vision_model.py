@@ -198,10 +198,6 @@ class VisionModel:
 
         form = self.forms[modality]
         try:
-            # Dict input: vLLM's field config decides whether the values are one tensor of all
-            # items' rows (Qwen) or one tensor per item (MiniCPM-V); one item tells which.
-            if form.dict_input:
-                form.batched_values = not self._parses_as_one(features[0], modality)
             prompt = self.processor.dummy_inputs.get_dummy_text({modality: len(features)})
             out = self.processor(prompt, self._parse(features, modality), hf_processor_mm_kwargs={})
             back = []
@@ -305,22 +301,12 @@ class VisionModel:
         return {name: features.tensors[name] for name in (form.values_field, *form.metadata_fields)}
 
     def embedding_input(self, features: list[Features], modality: str = "image") -> Any:
-        """`multi_modal_data[modality]` for these features, in prompt order."""
-        form = self.forms[modality]
-        values = [f.tensors[form.values_field] for f in features]
-        if not form.dict_input:
-            # One [items, tokens, hidden] tensor where the items agree in size (LLaVA-1.5: always).
-            return torch.stack(values) if len({v.shape for v in values}) == 1 else values
-        data = {form.values_field: values if form.batched_values else torch.cat(values)}
-        for name in form.metadata_fields:
-            data[name] = torch.stack([f.tensors[name] for f in features])
-        return data
+        """`multi_modal_data[modality]` for these features, in prompt order, merged from the items'
+        embedding inputs as vLLM's chat parser merges a request's `image_embeds` parts: what the
+        engine gets from LLMDecode's serving layer."""
+        from vllm.renderers.chat_utils import _get_embeds_data
 
-    def _parses_as_one(self, features: Features, modality: str) -> bool:
-        try:
-            return self._parse([features], modality).get_count(modality, strict=False) == 1
-        except (ValueError, TypeError):
-            return False
+        return _get_embeds_data(modality, [self.embedding_item(f, modality) for f in features], self.processor)
 
     def _parse(self, features: list[Features], modality: str):
         return self.processor.data_parser.parse_mm_data({modality: self.embedding_input(features, modality)})
