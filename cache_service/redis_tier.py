@@ -32,7 +32,7 @@ Redis settings a deployment should use, and why:
 - No persistence needed (`save ""`, `appendonly no`): every value can be
   recomputed, and fork-based snapshots of a large cache cost memory and latency.
 - `proto-max-bulk-len` (default 512 MB) must exceed `max_value_bytes`.
-- Any recent Redis (the commands used are GET, SET NX PX, EXISTS, DEL, EVAL,
+- Any recent Redis (the commands used are GET, SET NX PX, EXISTS, DEL, PEXPIRE, EVAL,
   PING; CLUSTER SLOTS in cluster mode); tested on 7.0.
 """
 
@@ -147,6 +147,9 @@ class RedisTier:
     async def delete_many(self, keys: Sequence[str]) -> None:
         # One DEL per key: a cluster refuses a DEL whose keys are in different slots.
         await self._per_shard("DEL", keys, lambda pipe, key: pipe.delete(key), None)
+
+    async def expire_many(self, keys: Sequence[str], ttl_ms: int) -> None:
+        await self._per_shard("PEXPIRE", keys, lambda pipe, key: pipe.pexpire(key, ttl_ms), None)
 
     # -- single-flight locks --------------------------------------------------
 
