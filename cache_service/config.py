@@ -16,10 +16,11 @@ MiB = 1 << 20
 
 
 class CacheConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No input in errors, and no redis_url in repr: it may hold a password written in clear.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     redis_url: str | None = Field(
-        "redis://127.0.0.1:6379/0",
+        "redis://127.0.0.1:6379/0", repr=False,
         description="Redis for the cluster-wide tier (redis://, rediss:// or unix://). "
         "None runs the cache on the in-process tier only. ${NAME} is replaced where Iris connects "
         "by that environment variable, URL-quoted (e.g. redis://:${IRIS_REDIS_PASSWORD}@host:6379/0).",

@@ -135,6 +135,7 @@ class FeatureCache:
             for (i, key, value, features), written in zip(writes, ok or [False] * len(writes)):
                 if written:
                     stored[i] = True
+                    self._refreshed[key] = time.monotonic()  # the write set its TTL
                     self.counters.l2_bytes_written += len(value)
                     entry = self._l1.get(key)
                     if entry is not None and entry.features is features:
