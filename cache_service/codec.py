@@ -46,6 +46,11 @@ DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, 
                                   "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
                                   "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 _ALLOWED_DTYPES = frozenset(DTYPES.values())
+# Bounds on what a value read from Redis may declare, checked before anything is parsed or
+# allocated: Iris's own headers are a few hundred bytes, its meta a few fields, its tensors 1-4-d.
+MAX_HEADER_BYTES = 1 << 20
+MAX_META_BYTES = 64 << 10
+MAX_NDIM = 8
 
 
 class CorruptValue(ValueError):
@@ -75,7 +80,8 @@ class Features:
     def num_tokens(self) -> int | None:
         """How many placeholder tokens these features fill in the prompt (the encoder records it)."""
         n = self.meta.get("num_tokens")
-        return n if isinstance(n, int) else None  # (a value read from Redis may carry anything)
+        # (a value read from Redis may carry anything; bool is an int to Python)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
 
     @property
     def modality(self) -> str:
@@ -121,30 +127,35 @@ def decode(data: bytes | bytearray | memoryview, *, copy: bool = False) -> Featu
         return _decode_payload(view, copy)
     except CorruptValue:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, struct.error) as exc:
-        # The checksum matched, so this is a value of another writer or a bug;
-        # either way it must not reach a model.
-        raise CorruptValue(f"undecodable value: {exc}") from exc
+    except Exception as exc:
+        # The checksum matched, so this is a value of another writer or a bug; either way
+        # it must not reach a model, and nothing about it may fail the reader: JSON nested
+        # past the recursion limit, a shape torch cannot size (RuntimeError), ...
+        raise CorruptValue(f"undecodable value: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def _decode_payload(view: memoryview, copy: bool) -> Features:
     (header_len,) = struct.unpack_from("<Q", view, HEADER.size)
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptValue(f"safetensors header of {header_len} bytes")
     data_start = HEADER.size + 8 + header_len
     if data_start > len(view):
         raise CorruptValue("safetensors header longer than the value")
-    header = json.loads(bytes(view[HEADER.size + 8:data_start]))
-    meta_json = (header.pop("__metadata__", None) or {}).get(_META_KEY)
-    if meta_json is None:
-        raise CorruptValue("missing metadata")
+    header = _json(bytes(view[HEADER.size + 8:data_start]))
+    if not isinstance(header, dict):
+        raise CorruptValue("safetensors header is not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    meta_json = metadata.get(_META_KEY) if isinstance(metadata, dict) else None
+    if not isinstance(meta_json, str) or len(meta_json) > MAX_META_BYTES:
+        raise CorruptValue("missing or oversized metadata")
+    meta = _json(meta_json)
+    if not isinstance(meta, dict):
+        raise CorruptValue(f"metadata is a {type(meta).__name__}, not an object")
     tensors = {}
     for name, info in header.items():
-        dtype = DTYPES[info["dtype"]]
-        shape = info["shape"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CorruptValue(f"bad shape {shape!r}")
+        dtype, shape, (start, end) = _tensor_info(name, info)
         numel = math.prod(shape)
-        start, end = info["data_offsets"]
-        if end - start != numel * dtype.itemsize or start < 0 or data_start + end > len(view):
+        if end - start != numel * dtype.itemsize or data_start + end > len(view):
             raise CorruptValue(f"tensor {name!r}: bytes {start}..{end} for shape {shape}")
         if numel == 0:
             tensor = torch.empty(shape, dtype=dtype)
@@ -157,4 +168,31 @@ def _decode_payload(view: memoryview, copy: bool) -> Features:
             if copy:
                 tensor = tensor.clone()
         tensors[name] = tensor
-    return Features(tensors, json.loads(meta_json))
+    return Features(tensors, meta)
+
+
+def _tensor_info(name: str, info: object) -> tuple[torch.dtype, list[int], tuple[int, int]]:
+    """A tensor's dtype, shape and byte range from its header entry, each within bounds
+    (no bools for ints, no negative or oversized dimensions, an ordered range)."""
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
+        raise CorruptValue(f"tensor {name!r}: bad entry")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(_is_int(d) and 0 <= d < 1 << 40 for d in shape)):
+        raise CorruptValue(f"tensor {name!r}: bad shape {str(shape)[:100]}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1]:
+        raise CorruptValue(f"tensor {name!r}: bad byte range {str(offsets)[:100]}")
+    return DTYPES[info["dtype"]], shape, (offsets[0], offsets[1])
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _json(text: str | bytes) -> Any:
+    """JSON as `encode` writes it: no NaN or Infinity (which Python's parser accepts)."""
+    def refuse(constant: str):
+        raise CorruptValue(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)

@@ -16,10 +16,11 @@ MiB = 1 << 20
 
 
 class CacheConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No input in errors, and no redis_url in repr: it may hold a password written in clear.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     redis_url: str | None = Field(
-        "redis://127.0.0.1:6379/0",
+        "redis://127.0.0.1:6379/0", repr=False,
         description="Redis for the cluster-wide tier (redis://, rediss:// or unix://). "
         "None runs the cache on the in-process tier only. ${NAME} is replaced where Iris connects "
         "by that environment variable, URL-quoted (e.g. redis://:${IRIS_REDIS_PASSWORD}@host:6379/0).",
@@ -34,8 +35,12 @@ class CacheConfig(BaseModel):
         1 * GiB, ge=0, description="Bytes of features kept in process memory; 0 disables L1."
     )
     ttl_s: float = Field(
-        86400.0, gt=0, description="Time to live of every entry written to Redis, in seconds."
+        86400.0, gt=0, description="Time to live of every entry written to Redis, in seconds; a hit resets it "
+        "(sliding, see ttl_refresh_s), so a value in use does not expire."
     )
+    ttl_refresh_s: float = Field(
+        60.0, gt=0, description="A hit resets its value's TTL in Redis at most once per this many seconds per "
+        "key and process (one PEXPIRE in the background).")
     max_value_bytes: int = Field(
         64 * MiB, gt=0, description="Encoded values larger than this are not written to Redis (counted as oversize); "
         "they stay in L1.")

@@ -23,7 +23,15 @@ order, so a waiting replica still sees the value before the lock goes). The
 serving path uses it: the request that computed the features gets them
 directly and should not wait on a multi-megabyte SET.
 
-Never raises because of L2: when it is unreachable the cache serves L1 only
+Sliding TTL: a value read (from L2, or from L1 where it is known to be in L2) gets its TTL
+in L2 reset to `ttl_s`, at most once per `ttl_refresh_s` per key in this process, in the
+background (one PEXPIRE per key, batched), so a uuid in use does not expire after `ttl_s`
+however often it is sent, and a hit costs no extra round trip.
+
+Never raises because of L2 or because of what it holds: a value that fails to decode or to
+pass the check, for whatever reason, is counted (`corrupt` / `rejected`), deleted and a miss.
+When L2 is unreachable the cache serves L1 only
+(see store.py, redis_tier.py). when it is unreachable the cache serves L1 only
 (see store.py, redis_tier.py). Everything runs in one asyncio event loop;
 nothing here is thread-safe. Returned Features are shared with the cache: treat
 them as read-only (see codec.py).
@@ -31,7 +39,9 @@ them as read-only (see codec.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from cache_service.codec import CorruptValue, Features, decode, encode
 from cache_service.config import CacheConfig
@@ -55,6 +65,8 @@ class FeatureCache:
         self.l2 = make_store(self.config, self.counters)
         self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
         self._single_flight = SingleFlight(self, self.l2, self.config, self.counters)
+        self._refreshed: dict[str, float] = {}  # key -> when its TTL was last reset (monotonic)
+        self._refreshes: set[asyncio.Task] = set()
 
     @property
     def redis_available(self) -> bool:
@@ -72,6 +84,7 @@ class FeatureCache:
         return snapshot
 
     async def close(self) -> None:
+        await asyncio.gather(*self._refreshes, return_exceptions=True)
         await self._single_flight.close()  # background writes and lock releases first
         if self.l2 is not None:
             await self.l2.close()
@@ -88,6 +101,7 @@ class FeatureCache:
             in_l2 = await self.l2.exists_many([keys[i] for i in missing])
             for i, exists in zip(missing, in_l2 or []):
                 present[i] = exists
+        self._refresh_ttl([k for k, p in zip(keys, present) if p])
         return present
 
     def remember(self, key: str, features: Features) -> None:
@@ -127,6 +141,7 @@ class FeatureCache:
             for (i, key, value, features), written in zip(writes, ok or [False] * len(writes)):
                 if written:
                     stored[i] = True
+                    self._refreshed[key] = time.monotonic()  # the write set its TTL
                     self.counters.l2_bytes_written += len(value)
                     entry = self._l1.get(key)
                     if entry is not None and entry.features is features:
@@ -142,6 +157,8 @@ class FeatureCache:
             if entry is not None:
                 self.counters.l1_hits += 1
                 found[i] = (entry.features, entry.in_l2)
+                if entry.in_l2:
+                    self._refresh_ttl([key])
             else:
                 self.counters.l1_misses += 1
                 missing.setdefault(key, []).append(i)
@@ -169,21 +186,23 @@ class FeatureCache:
         corrupt: list[str] = []
         found = [self._accept_l2_value(key, value, corrupt) for key, value in zip(keys, values)]
         self.counters.l2_hits += sum(f is not None for f in found)
+        self._refresh_ttl([key for key, f in zip(keys, found) if f is not None])
         if corrupt:
             await self.l2.delete_many(corrupt)
         return found
 
     def _accept_l2_value(self, key: str, value: bytes | None, corrupt: list[str]) -> Features | None:
-        """Decode a value read from L2 and promote it into L1; None if absent or corrupt."""
+        """Decode a value read from L2 and promote it into L1; None if absent or refused (then
+        listed in `corrupt`, to be deleted)."""
         if value is None:
             return None
         self.counters.l2_bytes_read += len(value)
         try:
             features = decode(value)
-        except CorruptValue as exc:
+        except Exception as exc:  # CorruptValue, or a bug of the codec's: a miss either way
             self.counters.corrupt += 1
             corrupt.append(key)
-            logger.warning("corrupt cache value at %s (%s); deleted, treated as a miss", key, exc)
+            logger.warning("corrupt cache value at %s (%s); deleted, treated as a miss", key, str(exc)[:300])
             return None
         problem = self._check.problem(key, features) if self._check is not None else None
         if problem is not None:
@@ -194,6 +213,23 @@ class FeatureCache:
             return None
         self._l1.put(key, features, in_l2=True)
         return features
+
+    def _refresh_ttl(self, keys: list[str]) -> None:
+        """Reset the L2 TTL of `keys` in the background, each at most once per ttl_refresh_s."""
+        if not keys or not self.redis_available:
+            return
+        now = time.monotonic()
+        due = [k for k in dict.fromkeys(keys) if now - self._refreshed.get(k, -1e18) >= self.config.ttl_refresh_s]
+        if not due:
+            return
+        for key in due:
+            self._refreshed[key] = now
+        if len(self._refreshed) > 4 * max(1, len(self._l1)) + 10_000:  # forget refreshes too old to matter
+            self._refreshed = {k: t for k, t in self._refreshed.items() if now - t < self.config.ttl_refresh_s}
+        self.counters.ttl_refreshes += len(due)
+        task = asyncio.get_running_loop().create_task(self.l2.expire_many(due, self._ttl_ms))
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshes.discard)
 
     # -- single-flight --------------------------------------------------------
 

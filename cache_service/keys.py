@@ -153,6 +153,17 @@ def fingerprint_of(key: str) -> str | None:
     return parts[2]
 
 
+def modality_of(key: str) -> str | None:
+    """The modality a key of this format is for ("image", "video"), or None for any other string."""
+    parts = key.split(":")
+    if fingerprint_of(key) is None:
+        return None
+    for modality, prefix in _MODALITY_KINDS.items():
+        if parts[3] in (prefix + "c", prefix + "t", prefix + "u"):
+            return modality
+    return None
+
+
 def _tenant(tenant: str | None) -> str:
     if tenant is None or tenant == "":
         return DEFAULT_TENANT

@@ -1,14 +1,20 @@
-"""The Redis client Iris's Redis users share (the cache's Redis tier, the tenant limits; and,
+"""The Redis clients Iris's Redis users share (the cache's Redis tier, the tenant limits; and,
 blocking, the start-up check and the EC connector in a vLLM engine), and the backoff with which
 they try an unreachable Redis again.
 
 Both users fall back to their own memory when Redis fails, so a client must fail fast: short
 timeouts, no sleeping retries inside redis-py, and Redis asked again only after a backoff.
+What counts as "down" (`Outage`): a connection error at once, timeouts only when they go on
+for longer than one slow reply could (a large video value under load is not an outage).
+
+URLs are logged, put in errors and stats only through `redacted(url)`: a password in
+`redis_url` (after ${NAME} expansion, or written in clear) must not reach a log.
 """
 
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
@@ -25,6 +31,23 @@ from cache_service.config import CacheConfig
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # Anything a command may raise because of Redis.
 REDIS_ERRORS = (RedisError, OSError)
+# A reply that did not come in time (asyncio's and the socket's timeouts are the builtin one).
+TIMEOUTS = (RedisTimeoutError, TimeoutError)
+
+
+def redacted(url: str | None) -> str | None:
+    """`url` without its password (user names stay: they help, and are no secret)."""
+    if not url or "@" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[1]
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:  # not parseable: keep nothing that might be the secret
+        return url.split("://", 1)[0] + "://***"
 
 
 def connect(config: CacheConfig, client_name: str, **pool) -> Redis | RedisCluster:
@@ -52,9 +75,37 @@ def connect_blocking(config: CacheConfig, client_name: str):
 
     settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
                     client_name=client_name)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry as BlockingRetry
+
     if config.redis_cluster:
-        return BlockingCluster.from_url(config.connect_url(), require_full_coverage=False, **settings)
-    return redis.Redis.from_url(config.connect_url(), **settings)
+        # Without retry= redis-py's cluster client retries 3 times with backoff per command,
+        # stalling vLLM's scheduler while a master is down; the caller backs off instead.
+        return BlockingCluster.from_url(config.connect_url(), require_full_coverage=False,
+                                        retry=BlockingRetry(NoBackoff(), 0), **settings)
+    return redis.Redis.from_url(config.connect_url(), retry=BlockingRetry(NoBackoff(), 0), **settings)
+
+
+class Outage:
+    """Whether failures of one Redis (or one cluster master) mean it is down: any connection
+    error does; timeouts only once they have gone on, with no reply in between, for
+    `2 × redis_timeout_s` past the first (a frozen or dead-but-connected server), so a burst of
+    commands behind one slow reply does not make every later key a miss until the backoff ends."""
+
+    def __init__(self, config: CacheConfig):
+        self.window_s = 2 * config.redis_timeout_s
+        self._first_timeout: float | None = None
+
+    def is_down_after(self, error: BaseException) -> bool:
+        if not isinstance(error, TIMEOUTS):
+            return True
+        now = time.monotonic()
+        if self._first_timeout is None:
+            self._first_timeout = now
+        return now - self._first_timeout >= self.window_s
+
+    def answered(self) -> None:
+        self._first_timeout = None
 
 
 class Backoff:

@@ -10,8 +10,9 @@ optimisation, so a Redis failure turns into a miss, never into a failed request.
 A method returns None when no shard could be asked, else per key the answer, or the
 "miss" answer (None, False) for keys of a shard that is down.
 
-Degraded mode, per shard: a connection error, or a reply (one value's, for values)
-that takes longer than `redis_timeout_s`, marks the shard down. Its keys are misses at
+Degraded mode, per shard: a connection error marks the shard down, and so do replies (one
+value's, for values) that take longer than `redis_timeout_s` when they go on with no reply in
+between (`Outage` in redis_client.py); one slow reply is a miss of its own keys only. Its keys are misses at
 once (no waiting on a dead server per request), one warning is logged, and a background
 task pings it with exponential backoff (`backoff_initial_s` doubling up to
 `backoff_max_s`) until it answers; in a cluster it first reloads the slot map, so a
@@ -32,7 +33,7 @@ Redis settings a deployment should use, and why:
 - No persistence needed (`save ""`, `appendonly no`): every value can be
   recomputed, and fork-based snapshots of a large cache cost memory and latency.
 - `proto-max-bulk-len` (default 512 MB) must exceed `max_value_bytes`.
-- Any recent Redis (the commands used are GET, SET NX PX, EXISTS, DEL, EVAL,
+- Any recent Redis (the commands used are GET, SET NX PX, EXISTS, DEL, PEXPIRE, EVAL,
   PING; CLUSTER SLOTS in cluster mode); tested on 7.0.
 """
 
@@ -48,7 +49,7 @@ from redis.asyncio import ConnectionPool, RedisCluster
 from redis.exceptions import RedisError
 
 from cache_service.config import CacheConfig
-from cache_service.redis_client import REDIS_ERRORS, UNREACHABLE, Backoff, connect
+from cache_service.redis_client import REDIS_ERRORS, UNREACHABLE, Backoff, Outage, connect
 from cache_service.stats import CacheStats
 from cache_service.store import Buffer
 
@@ -91,6 +92,7 @@ class RedisTier:
         # Commands queue here rather than exceed the pool, which would raise.
         self._slots = asyncio.Semaphore(config.redis_pool_size)
         self._down: dict[str, asyncio.Task] = {}  # shard -> its reconnect task
+        self._outages: dict[str, Outage] = {}  # shard -> its recent timeouts
         self._closed = False
         self._last_error_log: dict[str, float] = {}
 
@@ -147,6 +149,9 @@ class RedisTier:
     async def delete_many(self, keys: Sequence[str]) -> None:
         # One DEL per key: a cluster refuses a DEL whose keys are in different slots.
         await self._per_shard("DEL", keys, lambda pipe, key: pipe.delete(key), None)
+
+    async def expire_many(self, keys: Sequence[str], ttl_ms: int) -> None:
+        await self._per_shard("PEXPIRE", keys, lambda pipe, key: pipe.pexpire(key, ttl_ms), None)
 
     # -- single-flight locks --------------------------------------------------
 
@@ -253,12 +258,18 @@ class RedisTier:
             pass
 
     async def _run(self, what: str, shard: str, command: Callable[[], Awaitable[T]]) -> T | None:
+        outage = self._outages.get(shard) or self._outages.setdefault(shard, Outage(self._config))
         try:
             async with self._slots:
-                return await command()
+                reply = await command()
+            outage.answered()
+            return reply
         except UNREACHABLE as exc:
             self._stats.l2_errors += 1
-            self._shard_down(shard, what, exc)
+            if outage.is_down_after(exc):
+                self._shard_down(shard, what, exc)
+            else:
+                self._log_error(what, f"{exc!r} (a slow reply: its keys are misses this time)")
         except RedisError as exc:
             self._stats.l2_errors += 1
             self._log_error(what, exc)
@@ -296,6 +307,7 @@ class RedisTier:
         else:
             return
         del self._down[shard]
+        self._outages.pop(shard, None)
         self._stats.degraded = len(self._down)
         self._stats.reconnects += 1
         logger.warning("redis %s reachable again; its keys are shared again", shard)

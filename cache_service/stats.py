@@ -30,6 +30,7 @@ class CacheStats:
     single_flight_wait_timeouts: int = 0  # ... of which the wait ran out
     compute_calls: int = 0  # calls of the compute callback
     computations: int = 0  # keys computed by this process
+    ttl_refreshes: int = 0  # keys whose L2 TTL a hit reset (sliding TTL, at most once a minute per key)
 
     def snapshot(self) -> dict[str, int | float]:
         return asdict(self)

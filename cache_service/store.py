@@ -41,6 +41,9 @@ class FeatureStore(Protocol):
 
     async def delete_many(self, keys: Sequence[str]) -> None: ...
 
+    async def expire_many(self, keys: Sequence[str], ttl_ms: int) -> None:
+        """Reset the TTL of the keys that exist (absent keys stay absent)."""
+
     # -- single-flight locks, one per key, held by a token ---------------------
 
     async def claim_many(self, keys: Sequence[str], token: str, ttl_ms: int) -> list[tuple[bool, bool]] | None:

@@ -53,10 +53,10 @@ def _report_redis(config: IrisConfig) -> None:
     if url is None:
         logger.warning("Iris: no redis_url configured; the feature cache is per process (L1 only)")
         return
-    from cache_service.redis_client import REDIS_ERRORS, connect_blocking
+    from cache_service.redis_client import REDIS_ERRORS, connect_blocking, redacted
 
     try:
         connect_blocking(config.cache, "iris-start-up").ping()
-    except (*REDIS_ERRORS, ValueError) as err:  # url logged unexpanded: no password in logs
+    except (*REDIS_ERRORS, ValueError) as err:  # url logged unexpanded and redacted: no password in logs
         logger.warning("Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
-                       "reconnecting in the background", url, err)
+                       "reconnecting in the background", redacted(url), err)

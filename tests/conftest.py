@@ -34,6 +34,9 @@ def pytest_configure(config):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The traced apps' spans (tests/test_tracing.py) leave every 0.2 s, not OpenTelemetry's 5 s.
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
+    # One salt for the tenant labels of metrics (pipeline/tenancy/tenant.py) in the tests and the
+    # Ray workers they start, so a test can name a tenant's series.
+    os.environ.setdefault("IRIS_METRIC_SALT", "iris-tests")
 
 
 # Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint; the

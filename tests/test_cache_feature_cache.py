@@ -203,3 +203,33 @@ async def test_batch_of_large_values_with_default_timeouts(make_cache, namespace
         assert_same_features(want, have)
     assert writer.stats()["degraded_transitions"] == 0 and reader.stats()["degraded_transitions"] == 0
     assert reader.stats()["l2_hits"] == 3
+
+
+async def test_hits_slide_the_ttl_at_most_once_per_refresh_interval(make_cache, namespace, raw_redis):
+    """A value in use does not expire: an L1 hit (value known to be in Redis) or an L2 hit resets
+    its TTL, in the background, once per ttl_refresh_s per key and process; a write counts as one."""
+    import asyncio
+
+    key = content_key(FINGERPRINT, b"hot", namespace)
+    writer, reader = make_cache(ttl_s=120, ttl_refresh_s=0.3), make_cache(ttl_s=120, ttl_refresh_s=0.3)
+    assert await writer.put_many([(key, make_features(5))]) == [True]
+    raw_redis.pexpire(key, 5_000)  # as if most of its TTL had run out
+
+    async def pttl_after(cache) -> int:
+        assert (await cache.get_many([key]))[0] is not None
+        await asyncio.sleep(0.05)  # the refresh runs behind the hit
+        return raw_redis.pttl(key)
+
+    assert await pttl_after(writer) <= 5_000  # just written: no refresh yet
+    assert await pttl_after(reader) > 100_000  # an L2 hit in another process slides it
+    assert reader.stats()["ttl_refreshes"] == 1
+    raw_redis.pexpire(key, 5_000)
+    assert await pttl_after(reader) <= 5_000  # an L1 hit within the interval: no second PEXPIRE
+    await asyncio.sleep(0.3)
+    assert await pttl_after(reader) > 100_000  # the interval passed: the L1 hit slides it
+    assert await pttl_after(writer) > 100_000 and writer.stats()["ttl_refreshes"] == 1
+    assert reader.stats()["ttl_refreshes"] == 2
+
+    absent = content_key(FINGERPRINT, b"never written", namespace)
+    assert await reader.contains_many([absent]) == [False]
+    assert raw_redis.exists(absent) == 0  # PEXPIRE never creates a key

@@ -257,3 +257,34 @@ def _owner(cluster, node: int, slot: int) -> int | None:
         if "master" in n["flags"] and any(int(r[0]) <= slot <= int(r[-1]) for r in n["slots"]):
             return int(address.split("@")[0].rsplit(":", 1)[1])
     return None
+
+
+def test_blocking_reader_of_a_cluster_with_a_master_frozen_is_bounded():
+    """The EC connector's reader in vLLM's scheduler: redis-py's cluster client, left to its
+    default retries, tried each read 3 more times, a socket timeout each, while a master did not
+    answer; now one try per read, and once the timeouts go on (redis_client.Outage), no read at
+    all until the backoff has passed."""
+    import signal
+
+    from cache_service.store_factory import blocking_reader
+
+    cluster = RedisClusterProcesses().start()  # its own: a master is frozen here
+    victim = cluster.masters()[0]
+    try:
+        key = next(k for k in KEYS if cluster.port_of_key(k) == victim)
+        cluster.client(victim).set(key, b"v")
+        read = blocking_reader(CacheConfig(redis_url=cluster.url, redis_cluster=True, redis_timeout_s=0.4,
+                                           redis_connect_timeout_s=0.4, backoff_initial_s=5, backoff_max_s=5),
+                               "iris-test")
+        assert read(key) == b"v"
+        cluster.nodes[victim].proc.send_signal(signal.SIGSTOP)
+        for _ in range(3):  # one timeout each (4 with redis-py's default retries)
+            started = time.monotonic()
+            assert read(key) is None
+            assert time.monotonic() - started < 1.2
+        started = time.monotonic()
+        assert [read(key) for _ in range(50)] == [None] * 50
+        assert time.monotonic() - started < 0.05
+    finally:
+        cluster.nodes[victim].proc.send_signal(signal.SIGCONT)
+        cluster.stop()

@@ -55,6 +55,9 @@ class MemoryStore:
         for key in keys:
             self.values.pop(key, None)
 
+    async def expire_many(self, keys: Sequence[str], ttl_ms: int) -> None:
+        pass  # no TTLs here
+
     async def claim_many(self, keys: Sequence[str], token: str, ttl_ms: int) -> list[tuple[bool, bool]] | None:
         for key in keys:
             if self._lock(key) is None:

@@ -1137,3 +1137,52 @@ def test_this_environment_is_the_lock():
     differ = {k: (installed[k], v) for k, (v, _) in lock.items() if k in installed and installed[k] != v}
     assert differ == {}, f"installed vs {name} (rerun bash scripts/install.sh): {differ}"
     assert {"torch", "ray", "transformers", "httpx"} <= set(installed) & set(lock)
+
+
+# ---- /dev/shm of the pods that run LLMDecode ----
+
+def _shm_problems(manifest) -> list[str]:
+    """Why a group LLMDecode may run in lacks a memory-backed, bounded /dev/shm on its Ray container."""
+    groups = _groups(manifest)
+    need = _deployment_needs(manifest)["LLMDecode"]
+    cluster = manifest["spec"]["rayClusterConfig"]
+    specs = {g["groupName"]: g for g in cluster["workerGroupSpecs"]} | {"head": cluster["headGroupSpec"]}
+    problems = []
+    for name, have in groups.items():
+        if not all(have[r] >= need[r] for r in need):
+            continue
+        pod = specs[name]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
+        volume = volumes.get(mounts.get("/dev/shm"), {})
+        empty_dir = volume.get("emptyDir", {})
+        if empty_dir.get("medium") != "Memory" or not empty_dir.get("sizeLimit"):
+            problems.append(f"group {name} runs LLMDecode without an emptyDir of medium Memory with a sizeLimit "
+                            f"at /dev/shm: {volume or mounts}")
+    return problems
+
+
+def test_llm_decode_pods_mount_a_bounded_memory_backed_dev_shm(validator):
+    manifest = _manifest()
+    assert _shm_problems(manifest) == []
+    assert _errors(validator, manifest) == []  # the volume is schema-checked with the rest
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda pod: pod["volumes"][0]["emptyDir"].pop("medium"), "medium Memory"),
+    (lambda pod: pod["volumes"][0]["emptyDir"].pop("sizeLimit"), "sizeLimit"),
+    (lambda pod: pod["containers"][0].pop("volumeMounts"), "/dev/shm"),
+])
+def test_a_missing_or_unbounded_dev_shm_is_caught(break_it, expected):
+    manifest = copy.deepcopy(_manifest())
+    gpu = next(g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")
+    break_it(gpu["template"]["spec"])
+    problems = _shm_problems(manifest)
+    assert problems and expected in problems[0], problems
+
+
+def test_a_misspelt_volume_fails_the_schema(validator):
+    manifest = copy.deepcopy(_manifest())
+    gpu = next(g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")
+    gpu["template"]["spec"]["volumes"][0]["emptyDir"]["medum"] = "Memory"
+    assert any("medum" in e for e in _errors(validator, manifest))

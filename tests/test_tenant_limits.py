@@ -182,3 +182,21 @@ async def test_back_to_redis_after_the_backoff(replicas, redis_process, namespac
     again = await admitted(limiter, "acme")
     assert again.backend == "redis"
     assert redis.Redis.from_url(redis_process.url).zcard(limiter.keys("acme", 0)[0]) == 1
+
+
+def test_tenant_labels_are_salted_by_the_deployment_secret(monkeypatch):
+    """An unsalted hash let anyone confirm a guessed tenant name from a dashboard; under the
+    secret the label says nothing without it, and the same secret gives the same label."""
+    import hashlib
+
+    from pipeline.tenancy import tenant as tenancy
+
+    unsalted = hashlib.sha256(b"iris-metric-tenant\0acme").hexdigest()[:12]
+    monkeypatch.setenv(tenancy.METRIC_SALT_ENV, "secret-one")
+    one = tenancy.metric_tenant("acme")
+    assert one != unsalted and one == tenancy.metric_tenant("acme") and one != tenancy.metric_tenant("acmf")
+    monkeypatch.setenv(tenancy.METRIC_SALT_ENV, "secret-two")
+    assert tenancy.metric_tenant("acme") != one
+    monkeypatch.delenv(tenancy.METRIC_SALT_ENV)
+    opaque = tenancy.metric_tenant("acme")  # a random salt of this process
+    assert opaque not in (unsalted, one) and tenancy.metric_tenant("acme") == opaque

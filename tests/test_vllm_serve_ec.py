@@ -1,7 +1,8 @@
 """Iris's feature cache as the encoder tier of a plain `vllm serve`: the same EC connector
 LLMDecode's engines use (pipeline/model/ec_connector.py), pointed at the feature plane, lets a
 monolithic `vllm serve --ec-transfer-config ...` take the features Iris computed for a
-client's uuid instead of running its own tower. Its counters are read from the server's own
+client's uuid instead of running its own tower, when the client sends that uuid as `iris:<uuid>`
+(a bare identifier is never looked up: the server serves one tenant). Its counters are read from the server's own
 Prometheus metrics (vLLM's EC connector stats), not from its logs."""
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import httpx
 import pytest
 
 from bench.harness.systems import SERVED_NAME as NAME
-from pipeline.model.ec_connector import CONNECTOR_NAME, MODULE_PATH
+from pipeline.model.ec_connector import CONNECTOR_NAME, MODULE_PATH, UUID_PREFIX
 from tests.support.apps import reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.namespaces import SHARED_REDIS_URL
 
-COUNTER = re.compile(r'^vllm:iris_ec_(loaded|encoded)_items_total\{[^}]*\} ([0-9.e+]+)$', re.M)
+COUNTER = re.compile(r'^vllm:iris_ec_(loaded|encoded|refused)_items_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def _tokens(reply: dict) -> list:
 
 
 def _counters(base: str) -> dict[str, float]:
-    counts = {"loaded": 0.0, "encoded": 0.0}
+    counts = {"loaded": 0.0, "encoded": 0.0, "refused": 0.0}
     for name, value in COUNTER.findall(httpx.get(f"{base}/metrics", timeout=30).text):
         counts[name] += float(value)
     return counts
@@ -95,9 +96,12 @@ def test_plain_vllm_serve_takes_the_features_iris_computed(iris, plain_vllm, raw
         time.sleep(0.1)
 
     before = _counters(plain_vllm)
-    theirs = _chat(plain_vllm, "wide", marker)
-    assert _counted(plain_vllm, before, 1) == {"loaded": 1, "encoded": 0}  # its tower did not run
-    assert _tokens(theirs) == _tokens(ours)
+    bare = _chat(plain_vllm, "wide", marker)  # without the prefix: not looked up, its tower runs
+    assert _counted(plain_vllm, before, 1) == {"loaded": 0, "encoded": 1, "refused": 0}
+    before = _counters(plain_vllm)
+    theirs = _chat(plain_vllm, "wide", f"{UUID_PREFIX}{marker}")
+    assert _counted(plain_vllm, before, 1) == {"loaded": 1, "encoded": 0, "refused": 0}  # its tower did not run
+    assert _tokens(theirs) == _tokens(ours) == _tokens(bare)
     reference, _ = vllm_server("llava")  # `vllm serve` without a connector
     assert _tokens(theirs) == _tokens(_chat(reference, "wide", None))
 
@@ -106,7 +110,7 @@ def test_a_uuid_iris_never_saw_is_encoded_by_the_server_itself(plain_vllm, vllm_
     """The counter can tell: an item missing from the feature plane runs the server's own tower,
     with the same answer."""
     before = _counters(plain_vllm)
-    theirs = _chat(plain_vllm, "tall", f"never-sent-{uuid.uuid4().hex[:8]}")
-    assert _counted(plain_vllm, before, 1) == {"loaded": 0, "encoded": 1}
+    theirs = _chat(plain_vllm, "tall", f"{UUID_PREFIX}never-sent-{uuid.uuid4().hex[:8]}")
+    assert _counted(plain_vllm, before, 1) == {"loaded": 0, "encoded": 1, "refused": 0}
     reference, _ = vllm_server("llava")
     assert _tokens(theirs) == _tokens(_chat(reference, "tall", None))

@@ -16,20 +16,25 @@ Where the features come from, in order:
   pipeline/model/ec_staging.py). The engine runs in processes of its own (vLLM's EngineCore,
   its workers): a file in /dev/shm is the cheapest way in, one copy.
 - the feature plane (`redis_url`): for an engine that is not Iris's (a plain `vllm serve
-  --ec-transfer-config ...`), the item's uuid names Iris's uuid key for `tenant` under
-  `fingerprint` (the VisionEncoder's, from `/iris/stats`), read with the cache's codec and
-  fingerprint check. Only uuid keys: content keys hash the bytes as uploaded, which vLLM
-  does not see.
+  --ec-transfer-config ...`), an item whose uuid is `iris:<uuid>` names Iris's uuid key of
+  `<uuid>` for `tenant` under `fingerprint` (the VisionEncoder's, from `/iris/stats`), read
+  with the cache's codec and checks. Only identifiers with that prefix, which a client must
+  choose on purpose: vLLM's identifier of an item sent without a uuid is the blake3 of model
+  id and bytes, computable offline by anyone, so honouring bare identifiers would hand the
+  tenant's features to whoever has the image. Such a server has no tenant boundary of its
+  own: it serves the one `tenant` it is configured with (run one per tenant).
 
 The scheduler side reads and checks an item's features when its request is first scheduled
 (`ensure_cache_available`): rows = the item's placeholder embeds, the model's dtype, the
-encoder's width where known. What fails the check, or is not there, is not claimed: the
-engine runs its own tower on the item, so a missing or forged value costs time, never a
-wrong or failed answer. Checked tensors travel to the workers in the step's connector
+encoder's width where known. What fails the check, is not there, or fails to read or decode
+for any reason, is not claimed (counted as `refused` where it was there): the engine runs
+its own tower on the item, so a missing or forged value costs time, never a wrong or failed
+answer, and nothing raises in vLLM's scheduler (which would end the EngineCore). Checked tensors travel to the workers in the step's connector
 metadata (in-process on one device; vLLM's message queue to tensor-parallel workers).
 
-Counters (`vllm:iris_ec_loaded_items_total`, `vllm:iris_ec_encoded_items_total`: items the
-connector supplied, and items the engine's own tower encoded) go through vLLM's EC
+Counters (`vllm:iris_ec_loaded_items_total`, `vllm:iris_ec_encoded_items_total`,
+`vllm:iris_ec_refused_items_total`: items the connector supplied, items the engine's own tower
+encoded, and items whose staged or stored features were there but refused) go through vLLM's EC
 connector stats to its logs and Prometheus metrics.
 
 No Ray here: the module runs inside vLLM's engine processes.
@@ -70,6 +75,17 @@ logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "IrisECConnector"
 MODULE_PATH = __name__
+# The uuid form a plain server's clients send for features in Iris's cache: `iris:<uuid>`.
+UUID_PREFIX = "iris:"
+_COUNTERS = ("loaded", "encoded", "refused")
+
+
+def plane_uuid(identifier: str) -> str | None:
+    """The Iris uuid an engine's item identifier asks for (`iris:<uuid>`), else None: a bare
+    identifier (a content hash, or a uuid not meant for Iris) is never looked up."""
+    if isinstance(identifier, str) and identifier.startswith(UUID_PREFIX) and len(identifier) > len(UUID_PREFIX):
+        return identifier[len(UUID_PREFIX):]
+    return None
 
 
 def ec_transfer_config(staging_dir: str | os.PathLike, widths: dict[str, int]) -> dict:
@@ -86,14 +102,14 @@ class IrisECMetadata(ECConnectorMetadata):
 
 @dataclass
 class IrisECStats(ECConnectorStats):
-    """Items this connector supplied, and items the engine's own tower encoded."""
+    """Items this connector supplied, items the engine's own tower encoded, items refused."""
 
     def __post_init__(self):
-        for name in ("loaded", "encoded"):
+        for name in _COUNTERS:
             self.data.setdefault(name, 0)
 
     def reset(self):
-        self.data = {"loaded": 0, "encoded": 0}
+        self.data = dict.fromkeys(_COUNTERS, 0)
 
     def aggregate(self, other: ECConnectorStats) -> "IrisECStats":
         for name, value in other.data.items():
@@ -113,7 +129,9 @@ class IrisECPromMetrics(ECConnectorPromMetrics):
         self._counters = {}
         for name, what in (("loaded", "Multimodal items whose encoder output Iris's EC connector supplied"),
                            ("encoded", "Multimodal items the engine's own encoder computed (no features "
-                                       "from Iris's EC connector)")):
+                                       "from Iris's EC connector)"),
+                           ("refused", "Multimodal items whose features Iris's EC connector found but refused "
+                                       "(unreadable, corrupt, or not this model's); the engine encoded them")):
             counter = self._counter_cls(name=f"vllm:iris_ec_{name}_items", documentation=what,
                                         labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
@@ -127,10 +145,10 @@ class IrisECPromMetrics(ECConnectorPromMetrics):
 def connector_counts() -> dict[str, int]:
     """This process's vLLM engine's connector counters, from vLLM's Prometheus metrics (its stat
     loggers run where the engine's client runs): items the connector supplied, items the
-    engine's own tower encoded."""
+    engine's own tower encoded, items refused."""
     from prometheus_client import REGISTRY
 
-    counts = {"loaded": 0, "encoded": 0}
+    counts = dict.fromkeys(_COUNTERS, 0)
     for family in REGISTRY.collect():
         for name in counts:
             if family.name == f"vllm:iris_ec_{name}_items":
@@ -158,7 +176,7 @@ class IrisECConnector(ECConnectorBase):
         self._checked: set[str] = set()  # request ids whose items were looked up
         self._to_load: dict[str, torch.Tensor] = {}  # this step's loads
         self._stats = IrisECStats()  # since vLLM last collected them
-        self.totals = {"loaded": 0, "encoded": 0}  # since start (the in-process engine's tests read them)
+        self.totals = dict.fromkeys(_COUNTERS, 0)  # since start (the in-process engine's tests read them)
 
     # --- scheduler side -----------------------------------------------------------
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
@@ -171,7 +189,12 @@ class IrisECConnector(ECConnectorBase):
             if position.offset + position.length <= num_computed_tokens:
                 continue  # within the prefix vLLM has cached: the engine needs no features for it
             if feature.identifier not in self._ready:
-                values = self._lookup(feature)
+                try:
+                    values = self._lookup(feature)
+                except Exception:  # a bug or a value nobody foresaw: the engine's tower runs, never a crash
+                    logger.exception("%s: lookup of an item failed; the engine encodes it itself", CONNECTOR_NAME)
+                    self._count("refused")
+                    values = None
                 if values is None:
                     continue
                 self._ready[feature.identifier] = values
@@ -187,8 +210,11 @@ class IrisECConnector(ECConnectorBase):
         if identifier in self._ready:
             self._to_load[identifier] = self._ready[identifier]
             counted = "loaded"
-        self._stats.data[counted] += 1
-        self.totals[counted] += 1
+        self._count(counted)
+
+    def _count(self, name: str) -> None:
+        self._stats.data[name] += 1
+        self.totals[name] += 1
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> IrisECMetadata:
         meta = IrisECMetadata(self._to_load)
@@ -222,24 +248,41 @@ class IrisECConnector(ECConnectorBase):
         return IrisECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _lookup(self, feature: "MultiModalFeatureSpec") -> torch.Tensor | None:
-        """The item's checked features, or None (the engine then encodes the item itself)."""
+        """The item's checked features, or None (the engine then encodes the item itself).
+        Refused values are counted; nothing here raises for what a file or Redis holds."""
         values, source = None, None
         if self._staging is not None:
             path = self._staging / staged_name(feature.identifier)
             try:
-                values, source = values_of(codec.decode(path.read_bytes())), "staging"
+                data = path.read_bytes()
             except FileNotFoundError:
-                pass
-            except codec.CorruptValue as err:
+                data = None
+            except OSError as err:
                 logger.warning("%s: staged features of %s unreadable (%s)", CONNECTOR_NAME, feature.identifier, err)
-        if values is None and self._plane is not None:
-            values, source = self._plane.get(feature.identifier, feature.modality), "the feature plane"
+                data, source = None, "staging"
+            if data is not None:
+                source = "staging"
+                try:
+                    values = values_of(codec.decode(data))
+                except Exception as err:  # CorruptValue, or anything else a hostile file provokes
+                    logger.warning("%s: staged features of %s undecodable (%s)", CONNECTOR_NAME,
+                                   feature.identifier, str(err)[:300])
+        if values is None and source is None and self._plane is not None:
+            uuid = plane_uuid(feature.identifier)
+            if uuid is not None:
+                values, source = self._plane.get(uuid, feature.modality), "the feature plane"
+                if values is None and self._plane.last_refused:
+                    self._count("refused")
+                    return None
         if values is None:
+            if source == "staging":
+                self._count("refused")
             return None
         problem = self._problem(values, feature)
         if problem:
             logger.warning("%s: features of %s from %s refused, the engine encodes the item itself: %s",
                            CONNECTOR_NAME, feature.identifier, source, problem)
+            self._count("refused")
             return None
         return values
 
@@ -252,19 +295,24 @@ class IrisECConnector(ECConnectorBase):
             return f"{values.shape[1]} wide, the encoder's output is {width}"
         if values.dtype != self._dtype:
             return f"dtype {values.dtype}, the engine's is {self._dtype}"
+        if not bool(torch.isfinite(values).all()):
+            return "NaN or infinity in the features"
         return None
 
     # --- worker side --------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
+        """Puts this step's checked features into the encoder cache. The scheduler side checked
+        them (shape, dtype, finite values), so only the copy to the device remains; a metadata
+        entry that is not a tensor (it never is) is skipped rather than raised on."""
         from vllm.platforms import current_platform
 
         meta = self._get_connector_metadata()
-        assert isinstance(meta, IrisECMetadata)
+        items = meta.items if isinstance(meta, IrisECMetadata) else {}
         device = current_platform.device_type
         if current_platform.is_cuda_alike():
             device = f"{device}:{current_platform.current_device()}"
-        for identifier, values in meta.items.items():
-            if identifier not in encoder_cache:
+        for identifier, values in items.items():
+            if identifier not in encoder_cache and isinstance(values, torch.Tensor):
                 encoder_cache[identifier] = values.to(device, non_blocking=True)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
@@ -276,7 +324,9 @@ class _FeaturePlane:
 
     ec_connector_extra_config: redis_url (${NAME} expanded from the environment), redis_cluster,
     namespace, fingerprint (required: the VisionEncoder's, `GET /iris/stats`), tenant (whose
-    uuids this engine's clients send; "default" when Iris runs without API keys)."""
+    uuids this engine's clients send; "default" when Iris runs without API keys),
+    redis_timeout_s, backoff_initial_s, backoff_max_s. Reads only: a refused value is left in
+    Redis (Iris's own readers delete it) and `last_refused` says the last read refused one."""
 
     def __init__(self, extra: dict):
         from cache_service.config import CacheConfig
@@ -291,26 +341,35 @@ class _FeaturePlane:
         self.tenant = extra.get("tenant", DEFAULT_TENANT)
         timeout = float(extra.get("redis_timeout_s", 1.0))
         config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
-                             namespace=self.namespace, redis_timeout_s=timeout, redis_connect_timeout_s=timeout)
+                             namespace=self.namespace, redis_timeout_s=timeout, redis_connect_timeout_s=timeout,
+                             backoff_initial_s=float(extra.get("backoff_initial_s", 1.0)),
+                             backoff_max_s=float(extra.get("backoff_max_s", 30.0)))
         self.read = blocking_reader(config, "iris-ec-connector")
-        self.check = ValueCheck()  # the fingerprint stamped in the value must be the key's
+        self.check = ValueCheck()  # the value's stamped fingerprint and modality must be the key's
+        self.last_refused = False
 
     def get(self, uuid: str, modality: str) -> torch.Tensor | None:
+        """The features Iris stored for `uuid` (the client's, without the `iris:` prefix) of
+        `tenant`, checked; None when absent, unreadable or refused. Never raises."""
+        self.last_refused = False
         try:
             key = uuid_key(self.fingerprint, self.tenant, uuid, self.namespace, modality)
         except ValueError as err:  # e.g. an over-long uuid
-            logger.warning("%s: feature plane lookup of %r failed: %s", CONNECTOR_NAME, uuid, err)
+            logger.warning("%s: feature plane lookup of %r failed: %s", CONNECTOR_NAME, uuid[:80], err)
             return None
         data = self.read(key)
         if data is None:
             return None
         try:
             features = codec.decode(data)
-        except codec.CorruptValue as err:
-            logger.warning("%s: value of %s unreadable (%s)", CONNECTOR_NAME, key, err)
+            problem = self.check.problem(key, features)
+            values = values_of(features) if problem is None else None
+        except Exception as err:  # CorruptValue, or anything else a hostile value provokes
+            problem = f"unreadable: {str(err)[:300]}"
+        if problem is None and values is None:
+            problem = "no single 2-D floating-point tensor of features"
+        if problem is not None:
+            self.last_refused = True
+            logger.warning("%s: value of %s refused: %s", CONNECTOR_NAME, key, problem)
             return None
-        problem = self.check.problem(key, features)
-        if problem is not None or features.modality != modality:
-            logger.warning("%s: value of %s refused: %s", CONNECTOR_NAME, key, problem or "another modality")
-            return None
-        return values_of(features)
+        return values

@@ -6,12 +6,21 @@ features to a file named by `staged_name(key)` in a folder of its own (Iris's va
 cheapest way in, one copy). The connector's scheduler side reads them from there
 (`ec_transfer_config(staging_dir, ...)`); LLMDecode removes them when the request ends.
 
+Staging is an optimisation too: a write that fails (/dev/shm full, a read-only folder) leaves
+no file, partial or whole, and the item is simply not staged; the engine's connector finds
+nothing and the engine runs its own tower on the item (counted in `failed`). A replica's
+folder is `iris-ec-<pid>-<random>`; one whose process is gone (a replica that was killed) is
+removed when the next FeatureStaging is created in the same place.
+
 No Ray, no vLLM here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,7 +29,11 @@ import torch
 from cache_service import codec
 from cache_service.keys import content_hash
 
+logger = logging.getLogger(__name__)
+
 SHM = Path("/dev/shm")
+PREFIX = "iris-ec-"
+_FOLDER = re.compile(re.escape(PREFIX) + r"(\d+)-")
 
 
 def staged_name(key: str) -> str:
@@ -41,19 +54,29 @@ class FeatureStaging:
 
     def __init__(self, directory: str | os.PathLike | None = None):
         base = directory or (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None)
-        self.dir = Path(tempfile.mkdtemp(prefix="iris-ec-", dir=base))
+        self.swept = sweep_dead(Path(base or tempfile.gettempdir()))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
         self._users: dict[str, int] = {}  # key -> requests in flight that staged it
+        self.failed = 0  # items not staged because the write failed (the engine's tower ran)
 
-    def stage(self, key: str, features: codec.Features) -> None:
-        """Write `features` under `key` (once while any request holds it); `release` undoes."""
+    def stage(self, key: str, features: codec.Features) -> bool:
+        """Write `features` under `key` (once while any request holds it); `release` undoes.
+        False when the write failed: nothing is left on disk and the engine encodes the item."""
         if self._users.get(key):
             self._users[key] += 1
-            return
+            return True
         path = self.dir / staged_name(key)
         partial = path.with_suffix(".partial")
-        partial.write_bytes(codec.encode(codec.Features({"values": values_of(features)}, {})))
-        partial.replace(path)  # the engine never sees a half-written file
+        try:
+            partial.write_bytes(codec.encode(codec.Features({"values": values_of(features)}, {})))
+            partial.replace(path)  # the engine never sees a half-written file
+        except OSError as err:  # ENOSPC in a full /dev/shm, EROFS, EACCES, ...
+            partial.unlink(missing_ok=True)
+            self.failed += 1
+            logger.warning("cannot stage features in %s (%s); the engine encodes the item itself", self.dir, err)
+            return False
         self._users[key] = 1
+        return True
 
     def release(self, keys: list[str]) -> None:
         for key in keys:
@@ -69,7 +92,37 @@ class FeatureStaging:
         return len(self._users)
 
     def close(self) -> None:
-        import shutil
-
         shutil.rmtree(self.dir, ignore_errors=True)
         self._users.clear()
+
+
+def sweep_dead(base: Path) -> list[Path]:
+    """Remove the staging folders in `base` whose process no longer runs; the removed ones.
+    (A folder of an older layout without a pid is left alone: its owner cannot be told.)"""
+    swept = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return swept
+    for entry in entries:
+        match = _FOLDER.match(entry.name)
+        if match is None or not entry.is_dir() or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        swept.append(entry)
+    if swept:
+        logger.warning("removed %d staging folder(s) of processes that are gone: %s", len(swept),
+                       ", ".join(p.name for p in swept[:5]))
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
+import os
+import secrets
 from collections.abc import Mapping
 
 from cache_service.keys import DEFAULT_TENANT
+
+logger = logging.getLogger(__name__)
+
+# The per-deployment secret that salts tenant labels of metrics and traces (set it from a Secret on
+# every Ray pod, the same everywhere, so one tenant has one label across replicas).
+METRIC_SALT_ENV = "IRIS_METRIC_SALT"
+_process_salt: bytes | None = None
 
 
 def bearer_token(headers: Mapping[str, str]) -> str | None:
@@ -50,7 +61,22 @@ def cache_salt(tenant: str) -> str:
 
 
 def metric_tenant(tenant: str) -> str:
-    """How metrics name a tenant: a short hash, so neither a tenant name nor anything derived
-    from a key in clear shows on a dashboard. `python -c "from pipeline.tenancy.tenant import
-    metric_tenant; print(metric_tenant('acme'))"` says which series is whose."""
-    return hashlib.sha256(b"iris-metric-tenant\0" + tenant.encode()).hexdigest()[:12]
+    """How metrics and traces name a tenant: an HMAC of the name under a per-deployment secret
+    (`IRIS_METRIC_SALT`), so neither a tenant name nor anything derived from a key shows on a
+    dashboard, and a guessed name cannot be confirmed without the secret. Without the variable,
+    each process draws a random salt: labels are then opaque per process (one tenant has other
+    labels on other replicas). `IRIS_METRIC_SALT=... python -c "from pipeline.tenancy.tenant
+    import metric_tenant; print(metric_tenant('acme'))"` says which series is whose."""
+    return hmac.new(_metric_salt(), tenant.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def _metric_salt() -> bytes:
+    global _process_salt
+    configured = os.environ.get(METRIC_SALT_ENV)
+    if configured:
+        return b"iris-metric-tenant\0" + configured.encode()
+    if _process_salt is None:
+        _process_salt = secrets.token_bytes(32)
+        logger.warning("%s is not set: tenant labels of metrics are opaque per process (set it, the same on "
+                       "every Ray pod, for one label per tenant across replicas)", METRIC_SALT_ENV)
+    return _process_salt
