@@ -281,8 +281,8 @@ class LLMDecode:
             except Exception as err:  # bytes Iris's own checks let through but vLLM's loader refuses
                 raise IrisError(f"vLLM cannot decode this {modality}: {err}", param="messages",
                                 code=f"invalid_{modality}") from None
-            self.staging.stage(key, f)
-            staged.append(key)
+            if self.staging.stage(key, f):  # else (/dev/shm full, say) the engine runs its own tower
+                staged.append(key)
         return items
 
     async def _features(self, call: DecodeCall) -> list | DecodeOpened:
@@ -374,7 +374,8 @@ class LLMDecode:
                  "generating": self.generating, "left_early": self.left_early,
                  "engine_unfinished": self.engine.get_num_unfinished_requests()}
         if self.staging is not None:  # items the connector supplied and items the engine's tower encoded
-            stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged}
+            stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged,
+                                     "staging_failed": self.staging.failed}
         return stats
 
     def forget_features(self, keys: list[str]) -> int:
