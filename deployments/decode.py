@@ -212,6 +212,10 @@ class LLMDecode:
                 return
             with keyed_media.request_media(items):
                 answer = await self._serve(call, trace)
+            if asyncio.current_task().cancelling():
+                # vLLM's whole-answer path turns its caller's cancellation into a "Client disconnected"
+                # error (its engine request aborted): the caller left, so end as a cancelled call does.
+                raise asyncio.CancelledError
             usage = engine_usage.current()
             if not hasattr(answer, "__aiter__"):
                 yield answer
