@@ -159,7 +159,7 @@ class LLMDecode:
             if counts["loaded"] + counts["encoded"]:
                 break
             await asyncio.sleep(0.05)
-        if counts != {"loaded": 1, "encoded": 0}:
+        if (counts["loaded"], counts["encoded"]) != (1, 0):
             raise RuntimeError(f"{arch}: its engine did not take the encoder's features through Iris's EC "
                                f"connector, the one way to it where vLLM takes no image embeddings ({counts}); "
                                "Iris cannot serve it")
