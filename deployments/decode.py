@@ -267,7 +267,7 @@ class LLMDecode:
                 answer.error.code, answer.error.type = 400, "BadRequestError"
             return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
         if hasattr(answer, "__aiter__"):
-            return answer
+            return answer if call.route != "responses" else _responses_sse(answer)
         return DecodeOpened(body=answer.model_dump_json())
 
     async def _media_items(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
@@ -398,6 +398,13 @@ class LLMDecode:
             engine.shutdown()
         if getattr(self, "staging", None) is not None:
             self.staging.close()
+
+
+async def _responses_sse(events) -> AsyncIterator[str]:
+    """The Responses API's stream of event objects as `vllm serve` writes it: named SSE events."""
+    async with aclosing(events):
+        async for event in events:
+            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
 def _salted(tenant: str, own: str | None) -> str:

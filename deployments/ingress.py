@@ -166,6 +166,9 @@ class Ingress:
             body, items = await self.parser.parse(route, request)
         mark("ingress.parsed")
         forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        if "request_id" in getattr(body, "model_fields_set", ()):
+            # Serve's proxy gives every request an X-Request-Id, which vLLM would prefer to the body's.
+            forwarded.pop("x-request-id", None)
         # The id vLLM gives the answer: its prefix, then X-Request-Id, else the body's request_id.
         tracing.tag_request(request_id=ANSWER_ID_PREFIX.get(route, "") + (forwarded.get("x-request-id")
                                                                           or getattr(body, "request_id", "")))

@@ -42,7 +42,7 @@ class RequestParser:
         try:
             return parse_request(self.models, route, body, self.limits)
         except ValidationError as err:  # as FastAPI reports a body that fails its model, to vLLM's handler
-            errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors()]
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors(include_url=False)]
             raise VLLMAnswer(await validation_exception_handler(request, RequestValidationError(errors))) from None
         except (ValueError, TypeError, VLLMError) as err:  # raised by vLLM's own validators, past pydantic
             raise VLLMAnswer(await exception_handler(request, err)) from None
