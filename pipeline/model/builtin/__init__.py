@@ -148,7 +148,7 @@ ENGINE_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tes
 SIZES = ("tiny", "bench", "7b")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
-BUILDER_VERSION = 3  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images; 3: InternVL's too
+BUILDER_VERSION = 4  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images; 3: InternVL's too; 4: Qwen3-VL has tool and thinking tokens and a template with tools
 
 
 def available() -> list[tuple[str, str]]:
