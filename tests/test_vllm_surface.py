@@ -196,19 +196,7 @@ MALFORMED = [
 
 # Where Iris answers otherwise than vllm serve today (none is one of Iris's documented codes):
 # expected to fail, strictly, so that the fix (in the reason) makes them pass and be unmarked.
-_VALIDATION_URL = ("Iris's ingress builds vLLM's validation error from pydantic's err.errors(), whose items "
-                   "carry a 'url'; vllm serve's (FastAPI's RequestValidationError) leave it out: "
-                   "ingress fix err.errors(include_url=False)")
 KNOWN_DIFFERENCES = {
-    "responses-stream": "LLMDecode hands on vLLM's Responses stream of event objects as if it were SSE text "
-                        "(''.join fails: an in-band error); vllm serve's router writes 'event: TYPE\\ndata: JSON' "
-                        "(_convert_stream_to_sse_events): decode fix",
-    "request-id-body": "Ray Serve's proxy adds an X-Request-Id header to every request that has none "
-                       "(RequestIdMiddleware), which the ingress forwards and vLLM prefers to the body's "
-                       "request_id: ingress fix",
-    "bad-temperature-type": _VALIDATION_URL, "bad-tool-schema": _VALIDATION_URL,
-    "bad-chat-template-kwargs": _VALIDATION_URL, "bad-response-format": _VALIDATION_URL,
-    "responses-bad-input": _VALIDATION_URL,
     "too-many-tokens": "Iris's max_tokens_limit (4096 by default) refuses first, in Iris's error shape "
                        "(type invalid_request_error, code invalid_value); vllm serve's check against "
                        "max_model_len answers type BadRequestError, code 400",
