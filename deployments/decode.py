@@ -37,8 +37,8 @@ from deployments.cpu_binding import omp_threads_bind
 from deployments.metrics import CacheMetrics
 from deployments.stage_trace import mark
 from deployments.vllm_args import REQUIRED, serve_args
-from pipeline.errors import IrisError, model_changed
 from pipeline.api.stream_merge import merged_outputs
+from pipeline.errors import IrisError, model_changed
 from pipeline.model import keyed_media
 from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
@@ -81,17 +81,19 @@ class LLMDecode:
         connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
         self.staging = FeatureStaging() if connector_widths else None
         connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
+        iris_flags = {"served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
+                      "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}}
         self.args = serve_args(self.vision.checkpoint, {
-            **DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args, **REQUIRED,
-            **connector, "served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
-            "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}})
+            **DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
+            **REQUIRED, **connector, **iris_flags})
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args),
                                                 stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
         self.engine.generate = engine_usage.counting(self.engine.generate)
         self.state = State()
-        await init_app_state(self.engine, self.state, self.args, supported_tasks=await self.engine.get_supported_tasks())
+        tasks = await self.engine.get_supported_tasks()
+        await init_app_state(self.engine, self.state, self.args, supported_tasks=tasks)
         self._cap_max_tokens(config.max_tokens_limit)
         # Values read from Redis must carry the fingerprint of their key and look like this
         # model's features: a forged or stale entry is a miss, never an input.
@@ -139,8 +141,9 @@ class LLMDecode:
 
         arch = self.engine.model_config.architecture
         key = f"iris-connector-check-{os.getpid()}-{time.monotonic_ns()}"
-        request = ChatCompletionRequest(model=self.config.model_name, max_tokens=1, messages=[{"role": "user", "content": [
-            keyed_media.keyed_part("image", key, as_embeddings=False), {"type": "text", "text": "Describe."}]}])
+        parts = [keyed_media.keyed_part("image", key, as_embeddings=False), {"type": "text", "text": "Describe."}]
+        request = ChatCompletionRequest(model=self.config.model_name, max_tokens=1,
+                                        messages=[{"role": "user", "content": parts}])
         staged: list[str] = []
         try:
             items = await self._media_items([key], [self.vision.sample_features], ["image"], staged)
@@ -404,7 +407,8 @@ async def _responses_sse(events) -> AsyncIterator[str]:
     """The Responses API's stream of event objects as `vllm serve` writes it: named SSE events."""
     async with aclosing(events):
         async for event in events:
-            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+            data = event.model_dump_json(indent=None, by_alias=True)
+            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
 
 
 def _salted(tenant: str, own: str | None) -> str:

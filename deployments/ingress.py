@@ -39,7 +39,7 @@ from pipeline.api.media_parts import MediaItem
 from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import MODEL_CHANGED, IrisError
 from pipeline.model.keyed_media import keyed_part
-from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened
+from pipeline.stage_io import DecodeCall, DecodeDone
 from pipeline.tenancy.limits import Ticket
 
 # What vLLM reads of an HTTP request's headers (its request id; the trace context travels apart).

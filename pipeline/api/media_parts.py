@@ -61,8 +61,9 @@ def media_items(body: Any, route: str, limits: dict[str, int]) -> list[MediaItem
                 raise bad_request(f"{where}.uuid is {len(uuid)} characters long; at most {MAX_UUID_CHARS} are "
                                   "allowed", param=f"{where}.uuid")
         if url is None and uuid is None:
-            raise bad_request(f"{where} needs {field}.url, or a uuid that refers to {'an image' if modality == 'image' else 'a video'} "
-                              "sent earlier", param=f"{where}.{field}")
+            what = "an image" if modality == "image" else "a video"
+            raise bad_request(f"{where} needs {field}.url, or a uuid that refers to {what} sent earlier",
+                              param=f"{where}.{field}")
         ordinal = counts.get(modality, 0)
         counts[modality] = ordinal + 1
         if counts[modality] > limits.get(modality, 0):

@@ -7,7 +7,6 @@ from typing import Any
 
 from pipeline.errors import bad_request
 
-
 # Where each of vLLM's request models says how many tokens to generate, first wins (as vLLM reads them).
 MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
 
