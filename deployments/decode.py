@@ -80,7 +80,8 @@ class LLMDecode:
         # from a staging folder of this replica's.
         connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
         self.staging = FeatureStaging() if connector_widths else None
-        connector = {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
+        connector = ({"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)}
+                     if self.staging else {})
         iris_flags = {"served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
                       "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}}
         self.args = serve_args(self.vision.checkpoint, {
