@@ -129,7 +129,9 @@ def test_video_greedy_tokens_equal_vllm_serve(systems, case):
     family, dtype, iris, _, vllm, _ = systems
     videos, images = VIDEO_CASES[case]
     if family not in VIDEO_FAMILIES:
-        assert _chat(iris, images, videos=videos, status=400)["error"]["type"] == "invalid_request_error"
+        # Iris's own 400 (the model takes no video), or vLLM's (its template places none: vLLM's 500, a 400 on Iris).
+        assert _chat(iris, images, videos=videos, status=400)["error"]["type"] in ("invalid_request_error",
+                                                                                    "BadRequestError")
         return
     ours, theirs = _chat(iris, images, videos=videos), _chat(vllm, images, videos=videos)
     assert _tokens(ours) == _tokens(theirs), (family, dtype, case)
