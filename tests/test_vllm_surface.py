@@ -40,7 +40,8 @@ def flags(adapter: str) -> dict:
     """The `vllm serve` flags both systems run with (Iris: engine_args)."""
     return {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
             "enable_lora": True, "lora_modules": [f"{ADAPTER}={adapter}"], "max_lora_rank": 8,
-            "max_model_len": 2048, "enforce_eager": True}
+            "max_model_len": 2048, "enforce_eager": True,
+            "enable_prompt_tokens_details": True}  # Iris's default, so vllm serve's too
 
 
 @pytest.fixture(scope="module")
