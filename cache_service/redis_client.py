@@ -45,7 +45,7 @@ def redacted(url: str | None) -> str | None:
             return url
         user = parts.username or ""
         host = parts.netloc.rsplit("@", 1)[1]
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
     except ValueError:  # not parseable: keep nothing that might be the secret
         return url.split("://", 1)[0] + "://***"
 
