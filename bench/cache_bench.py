@@ -28,7 +28,8 @@ from redis.utils import HIREDIS_AVAILABLE
 from bench.harness import results
 from bench.harness.stats import distribution, timed, timed_async
 from bench.harness.systems import delete_namespace
-from cache_service.codec import Features, decode, encode
+from cache_service.features import Features
+from cache_service.codec import decode, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 

@@ -29,7 +29,8 @@ from bench.harness.redis_servers import (
     free_node_port,
 )
 from bench.harness.stats import median_and_range, percentile
-from cache_service.codec import Features, encode
+from cache_service.features import Features
+from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 

@@ -1,4 +1,4 @@
-"""Features and their byte form in Redis.
+"""The byte form of Features (cache_service/features.py) in Redis.
 
 A value is a 16-byte header followed by the tensors in the safetensors format:
 
@@ -29,12 +29,13 @@ import json
 import math
 import struct
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import safetensors.torch
 import torch
 import xxhash
+
+from cache_service.features import ALLOWED_DTYPES, Features
 
 MAGIC = b"IRF2"  # IRF1: the Arrow IPC layout before it (read as corrupt: deleted, recomputed)
 CHECKSUM_XXH3_64 = 1
@@ -45,7 +46,6 @@ _META_KEY = "iris.meta"
 DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                                   "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
                                   "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
-_ALLOWED_DTYPES = frozenset(DTYPES.values())
 # Bounds on what a value read from Redis may declare, checked before anything is parsed or
 # allocated: Iris's own headers are a few hundred bytes, its meta a few fields, its tensors 1-4-d.
 MAX_HEADER_BYTES = 1 << 20
@@ -55,48 +55,6 @@ MAX_NDIM = 8
 
 class CorruptValue(ValueError):
     """The bytes are not a value this codec wrote (truncated, garbled, other format)."""
-
-
-@dataclass
-class Features:
-    """Vision features of one image: named tensors plus JSON-able metadata.
-
-    E.g. LLaVA: {"image_embeds": bf16[576, 4096]}; Qwen2-VL:
-    {"image_embeds": bf16[tokens, hidden], "image_grid_thw": int64[1, 3]},
-    with meta such as {"num_tokens": 576}.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name, tensor in self.tensors.items():
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise TypeError("tensors must map str to torch.Tensor")
-            if tensor.dtype not in _ALLOWED_DTYPES:
-                raise TypeError(f"tensor {name!r}: unsupported dtype {tensor.dtype}")
-
-    @property
-    def num_tokens(self) -> int | None:
-        """How many placeholder tokens these features fill in the prompt (the encoder records it)."""
-        n = self.meta.get("num_tokens")
-        # (a value read from Redis may carry anything; bool is an int to Python)
-        return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-    @property
-    def modality(self) -> str:
-        """"image" or "video"; values written before videos existed are images."""
-        return self.meta.get("modality", "image")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def cpu(self) -> "Features":
-        """These features with every tensor in host memory (self when already there)."""
-        if all(t.device.type == "cpu" for t in self.tensors.values()):
-            return self
-        return Features({n: t.detach().cpu() for n, t in self.tensors.items()}, self.meta)
 
 
 def encode(features: Features) -> bytearray:

@@ -43,7 +43,8 @@ import asyncio
 import logging
 import time
 
-from cache_service.codec import CorruptValue, Features, decode, encode
+from cache_service.features import Features
+from cache_service.codec import CorruptValue, decode, encode
 from cache_service.config import CacheConfig
 from cache_service.l1 import L1Cache
 from cache_service.single_flight import Compute, ComputeResult, SingleFlight

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cache_service.codec import Features
+from cache_service.features import Features
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.codec import Features
+from cache_service.features import Features
 from cache_service.config import CacheConfig
 from cache_service.stats import CacheStats
 from cache_service.store import FeatureStore

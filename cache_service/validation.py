@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache_service.codec import Features
+from cache_service.features import Features
 import torch
 
 from cache_service.keys import fingerprint_of, modality_of

@@ -6,7 +6,8 @@ import tempfile
 import pytest
 import torch
 
-from cache_service.codec import HEADER, CorruptValue, Features, decode, encode
+from cache_service.features import Features
+from cache_service.codec import HEADER, CorruptValue, decode, encode
 from tests.cache_fixtures import assert_same_features, make_features
 
 

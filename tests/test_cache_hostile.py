@@ -16,7 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from cache_service.codec import HEADER, MAGIC, Features, encode
+from cache_service.features import Features
+from cache_service.codec import HEADER, MAGIC, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import uuid_key

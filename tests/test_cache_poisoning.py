@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.codec import Features, encode
+from cache_service.features import Features
+from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.keys import content_key, fingerprint_of, uuid_key

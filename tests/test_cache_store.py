@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cache_service.codec import Features
+from cache_service.features import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
 from cache_service.redis_tier import RedisTier

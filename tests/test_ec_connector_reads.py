@@ -14,7 +14,8 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import PlaceholderRange
 
-from cache_service.codec import Features, encode
+from cache_service.features import Features
+from cache_service.codec import encode
 from cache_service.keys import content_hash, uuid_key
 from pipeline.model.ec_connector import IrisECConnector, IrisECMetadata
 from pipeline.model.ec_staging import staged_name

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from cache_service.codec import Features
+from cache_service.features import Features
 from pipeline.model.ec_staging import FeatureStaging, staged_name
 
 

@@ -155,7 +155,8 @@ def test_forged_redis_entries_are_recomputed_or_a_miss(app):
     import redis
     import torch
 
-    from cache_service.codec import Features, encode
+    from cache_service.features import Features
+    from cache_service.codec import encode
     from cache_service.keys import content_key, uuid_key
     from cache_service.validation import stamp_fingerprint
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.codec import Features
+from cache_service.features import Features
 from pipeline.model.builtin import FAMILIES
 from pipeline.model.embedding_form import CONNECTOR, EMBEDDINGS, SOURCE
 from pipeline.model.samples import sample_image_bytes

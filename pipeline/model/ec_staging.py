@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from cache_service import codec
+from cache_service.features import Features
 from cache_service.keys import content_hash
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def staged_name(key: str) -> str:
     return content_hash(key.encode())[:40] + ".irf"
 
 
-def values_of(features: codec.Features) -> torch.Tensor | None:
+def values_of(features: Features) -> torch.Tensor | None:
     """The tensor the engine's encoder cache holds for one item: the features' one 2-D
     floating-point tensor (the others are metadata: grids, the item's own bytes)."""
     values = [t for t in features.tensors.values() if t.is_floating_point() and t.ndim == 2]
@@ -59,7 +60,7 @@ class FeatureStaging:
         self._users: dict[str, int] = {}  # key -> requests in flight that staged it
         self.failed = 0  # items not staged because the write failed (the engine's tower ran)
 
-    def stage(self, key: str, features: codec.Features) -> bool:
+    def stage(self, key: str, features: Features) -> bool:
         """Write `features` under `key` (once while any request holds it); `release` undoes.
         False when the write failed: nothing is left on disk and the engine encodes the item."""
         if self._users.get(key):
@@ -68,7 +69,7 @@ class FeatureStaging:
         path = self.dir / staged_name(key)
         partial = path.with_suffix(".partial")
         try:
-            partial.write_bytes(codec.encode(codec.Features({"values": values_of(features)}, {})))
+            partial.write_bytes(codec.encode(Features({"values": values_of(features)}, {})))
             partial.replace(path)  # the engine never sees a half-written file
         except OSError as err:  # ENOSPC in a full /dev/shm, EROFS, EACCES, ...
             partial.unlink(missing_ok=True)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cache_service.codec import Features
+from cache_service.features import Features
 from cache_service.keys import content_hash
 from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
