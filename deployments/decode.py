@@ -53,6 +53,12 @@ PLACEHOLDER_MISSING = "Failed to apply prompt replacement"  # vLLM's words for a
 # Iris's defaults for vLLM flags a user may still set: usage reports prefix-cache hits
 # (`prompt_tokens_details.cached_tokens`), which is what Iris's caches are for.
 DEFAULT_FLAGS = {"enable_prompt_tokens_details": True}
+# Iris's routes -> vLLM's serving object, its method, and the API's name in vLLM's refusal.
+VLLM_ROUTES = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
+               "completion": ("openai_serving_completion", "create_completion", "Completions"),
+               "responses": ("openai_serving_responses", "create_responses", "Responses"),
+               "tokenize": ("serving_tokenization", "create_tokenize", "Tokenize"),
+               "detokenize": ("serving_tokenization", "create_detokenize", "Detokenize")}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -244,34 +250,40 @@ class LLMDecode:
     async def _serve(self, call: DecodeCall, trace: dict[str, str] | None):
         """vLLM's answer: DecodeOpened with its JSON body or error, or its SSE stream."""
         from starlette.requests import Request
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        routes = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
-                  "completion": ("openai_serving_completion", "create_completion", "Completions"),
-                  "responses": ("openai_serving_responses", "create_responses", "Responses")}
-        serving, method, api = routes[call.route]
         headers = {**call.headers, **(trace or {})}
         # What vLLM reads of the HTTP request: X-Request-Id, the trace context.
         raw = Request({"type": "http", "method": "POST", "path": "/", "query_string": b"",
                        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
         call.body.cache_salt = _salted(call.tenant, getattr(call.body, "cache_salt", None))
         mark("decode.engine_call")
+        answer = await self._vllm(call.route, call.body, raw)
+        if hasattr(answer, "__aiter__") and call.route == "responses":
+            return _responses_sse(answer)
+        return answer
+
+    async def _vllm(self, route: str, body, raw=None):
+        """vLLM's serving object for `route` answers `body`: DecodeOpened with its JSON body or its
+        error (what vLLM's exception handlers answer with), or its stream."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        serving, method, api = VLLM_ROUTES[route]
         try:
             handler = getattr(self.state, serving, None)
             if handler is None:
                 raise NotImplementedError(f"The model does not support {api} API")
-            answer = await getattr(handler, method)(call.body, raw)
-        except Exception as err:  # what vLLM's exception handlers answer with
+            answer = await getattr(handler, method)(body, raw)
+        except Exception as err:
             answer = create_error_response(err)
+        if hasattr(answer, "__aiter__"):
+            return answer
         if isinstance(answer, ErrorResponse):
             if answer.error.code == 500 and PLACEHOLDER_MISSING in answer.error.message:
                 # A chat template that places no token for an item (one that takes no video, say):
                 # the request's input, not a fault of the server (`vllm serve` answers 500).
                 answer.error.code, answer.error.type = 400, "BadRequestError"
             return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
-        if hasattr(answer, "__aiter__"):
-            return answer if call.route != "responses" else _responses_sse(answer)
         return DecodeOpened(body=answer.model_dump_json())
 
     async def _media_items(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
@@ -348,24 +360,9 @@ class LLMDecode:
         except Exception as err:  # a dead engine: say so rather than mask why the request ended
             return f"unknown ({type(err).__name__})"
 
-    async def tokenize(self, body) -> DecodeOpened:
-        """vLLM's /tokenize (text prompts, text-only chat messages)."""
-        return await self._answer("serving_tokenization", "create_tokenize", body)
-
-    async def detokenize(self, body) -> DecodeOpened:
-        return await self._answer("serving_tokenization", "create_detokenize", body)
-
-    async def _answer(self, serving: str, method: str, body) -> DecodeOpened:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-        try:
-            answer = await getattr(getattr(self.state, serving), method)(body, None)
-        except Exception as err:
-            answer = create_error_response(err)
-        if isinstance(answer, ErrorResponse):
-            return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
-        return DecodeOpened(body=answer.model_dump_json())
+    async def text(self, route: str, body) -> DecodeOpened:
+        """vLLM's /tokenize and /detokenize (text prompts, text-only chat messages)."""
+        return await self._vllm(route, body)
 
     async def models(self) -> str:
         """vLLM's /v1/models: the served name and its LoRA adapters."""
