@@ -121,6 +121,7 @@ class MediaFeatures:
                 raise bad_request(f"this model takes no {item.modality} input (it takes "
                                   f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
         with tracing.span("ingress.fetch"):
+            self.metrics.fetched(sum(item.url is not None for item in items))
             datas = list(await asyncio.gather(*(
                 load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
                 if item.url is not None else asyncio.sleep(0) for item in items)))
@@ -253,6 +254,7 @@ class MediaFeatures:
         # Serve passes Preprocess's pending result into the encoder call (model composition):
         # the pixels go through the object store, and Preprocess is free once they are made.
         pixels = context.run(self.preprocess.pixels.remote, job)
+        self.metrics.preprocess_called()
         encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant, job.trace)
         submitted = loop.create_task(encoded._to_object_ref(), context=context)
         return Encoding(submitted, loop.create_task(self._finish(job, pixels, encoded, submitted), context=context))
