@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_service.config import CacheConfig
 from deployments.tracing import TracingConfig
-from deployments.vllm_args import check_engine_args
+from deployments.vllm_args import check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
 from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
@@ -148,8 +148,8 @@ class IrisConfig(BaseModel):
 
     def vision_model(self) -> VisionModel:
         """vLLM's image and video path for this model, built alike by every stage so that they agree
-        (processor settings, dtype, fingerprint)."""
+        (processor settings, dtype, fingerprint): with the model settings of `engine_args` (revision,
+        tokenizer, trust_remote_code, hf_overrides, ...), which LLMDecode's engine gets too."""
         return VisionModel(resolve_model(self.model), self.dtype,
                            {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
-                           self.engine_args.get("mm_processor_kwargs"), self.engine_args.get("media_io_kwargs"),
-                           connector=self.decoder_features == "connector")
+                           connector=self.decoder_features == "connector", settings=model_settings(self.engine_args))
