@@ -103,8 +103,8 @@ class LLMDecode:
         # The engine loads what the other stages load (one set of model settings: engine_settings.py).
         differences = model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
         if differences:
-            raise RuntimeError("LLMDecode's engine would load another model than Preprocess and the VisionEncoder: "
-                               + "; ".join(differences))
+            raise RuntimeError("LLMDecode's engine would load another model than Preprocess and the "
+                               "VisionEncoder: " + "; ".join(differences))
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])

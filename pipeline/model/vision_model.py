@@ -42,8 +42,8 @@ from cache_service.keys import content_hash
 from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
 from pipeline.model.encoder_loading import load_encoder_only
-from pipeline.model.samples import sample_image_bytes, sample_video
 from pipeline.model.engine_settings import config_dtype, feature_settings, folder_digest, stage_engine_args
+from pipeline.model.samples import sample_image_bytes, sample_video
 
 FINGERPRINT_CHARS = 16
 MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
