@@ -77,7 +77,7 @@ def check_engine_args(values: dict[str, Any]) -> None:
         raise ValueError(f"unknown vLLM flags {unknown} (engine_args takes `vllm serve`'s flags, "
                          "with underscores: `vllm serve --help`)")
     args = serve_args(PLACEHOLDER, values)  # vLLM's parser and its own cross-checks
-    problems = engine_settings.refusals(_engine_args(args))
+    problems = engine_settings.refusals(args)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -86,18 +86,7 @@ def model_settings(values: dict[str, Any]) -> dict[str, Any]:
     """The model part of these settings (revision, tokenizer, trust_remote_code, hf_overrides,
     mm_processor_kwargs, ...) as vLLM's EngineArgs fields, where they differ from `vllm serve`'s
     defaults: what every stage loads the checkpoint with (pipeline/model/engine_settings.py)."""
-    return engine_settings.model_settings(_engine_args(serve_args(PLACEHOLDER, values)), _default_engine_args())
-
-
-def _engine_args(args: argparse.Namespace):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return AsyncEngineArgs.from_cli_args(args)
-
-
-@cache
-def _default_engine_args():
-    return _engine_args(serve_args(PLACEHOLDER, {}))
+    return engine_settings.model_settings(serve_args(PLACEHOLDER, values), serve_args(PLACEHOLDER, {}))
 
 
 def argv(values: dict[str, Any]) -> list[str]:

@@ -82,15 +82,15 @@ def model_fields() -> frozenset[str]:
 
 
 def model_settings(engine_args, defaults) -> dict[str, Any]:
-    """The model part of `engine_args` (vLLM's EngineArgs) where it differs from `defaults` (the
-    EngineArgs of the same command line without the user's flags), less Iris's own settings."""
+    """The model part of `engine_args` (vLLM's parsed `vllm serve` arguments, or its EngineArgs) where
+    it differs from `defaults` (the same without the user's flags), less Iris's own settings."""
     return {name: getattr(engine_args, name) for name in sorted(model_fields() - set(IRIS_OWN))
-            if getattr(engine_args, name) != getattr(defaults, name)}
+            if getattr(engine_args, name, None) != getattr(defaults, name, None)}
 
 
 def refusals(engine_args) -> list[str]:
-    """What no stage of Iris, or not every stage, can honour in these engine arguments (vLLM's
-    EngineArgs of the whole `vllm serve` command line), each naming the flag and the stage."""
+    """What no stage of Iris, or not every stage, can honour in these engine arguments (vLLM's parsed
+    `vllm serve` arguments, or its EngineArgs), each naming the flag and the stage."""
     return [f"engine_args.{name}: {why}" for name, (value, why) in _UNHONOURED.items()
             if getattr(engine_args, name, None) == value]
 
