@@ -163,3 +163,47 @@ def test_a_setting_a_stage_cannot_honour_is_refused_with_the_config(engine_args,
         IrisConfig(engine_args=engine_args)
     message = str(refused.value)
     assert stage in message and f"engine_args.{next(reversed(engine_args))}" in message, message
+
+
+REMOTE_CONFIG = '''from transformers import LlavaConfig
+
+
+class IrisLlavaConfig(LlavaConfig):
+    model_type = "iris_llava"
+'''
+
+
+@pytest.fixture
+def remote_code_llava(tmp_path, tiny_checkpoint) -> Path:
+    """The tiny LLaVA with its config class as checkpoint code (config.json's auto_map names it, for a
+    model type neither transformers nor vLLM knows): what `trust_remote_code` is for."""
+    folder = tmp_path / "remote-llava"
+    shutil.copytree(tiny_checkpoint("llava"), folder)
+    (folder / "configuration_iris_llava.py").write_text(REMOTE_CONFIG)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="iris_llava", auto_map={"AutoConfig": "configuration_iris_llava.IrisLlavaConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_checkpoint_code_is_refused_until_trusted(remote_code_llava):
+    """As `vllm serve` without --trust-remote-code: refused, saying which setting runs it."""
+    with pytest.raises(ValueError, match="engine_args.trust_remote_code: true"):
+        IrisConfig(model=str(remote_code_llava), engine_args=BASE_ARGS).vision_model()
+
+
+def test_trusted_checkpoint_code_runs_in_every_stage(remote_code_llava, tiny_checkpoint):
+    """With trust_remote_code, the stages load the config class from the checkpoint's code, as
+    LLMDecode's engine does; the features are those of the same weights without it, the
+    fingerprint covers the code."""
+    vision, decode = stages({"trust_remote_code": True}, str(remote_code_llava))
+    for config in (vision.vllm_config.model_config.hf_config, decode.hf_config):
+        assert type(config).__name__ == "IrisLlavaConfig" and type(config).__module__.startswith("transformers_modules")
+    assert model_differences(vision.vllm_config.model_config, decode) == []
+    plain = VisionModel(tiny_checkpoint("llava"))
+    assert torch.equal(features(vision), features(plain))
+    other_code = VisionModel(str(remote_code_llava), settings={"trust_remote_code": True})
+    assert other_code.processing_id() == vision.processing_id()
+    (remote_code_llava / "configuration_iris_llava.py").write_text(REMOTE_CONFIG + "\n# another revision\n")
+    assert VisionModel(str(remote_code_llava), settings={"trust_remote_code": True}).processing_id() != \
+        vision.processing_id()

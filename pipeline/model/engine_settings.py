@@ -109,6 +109,18 @@ def stage_engine_args(checkpoint: str, settings: Mapping[str, Any], dtype: str, 
     return EngineArgs(model=checkpoint, **{**dict(settings), **STAGE_OWN}, dtype=dtype, limit_mm_per_prompt=limits)
 
 
+def load_refusal(checkpoint: str, settings: Mapping[str, Any], err: Exception) -> Exception | None:
+    """What to tell the user when vLLM refuses to load the checkpoint with these settings, where
+    Iris can say more than vLLM's error; None to pass vLLM's on."""
+    if not settings.get("trust_remote_code") and "trust_remote_code" in str(err):
+        return ValueError(
+            f"{checkpoint} needs code it ships itself (a config or processor class named by its "
+            "auto_map), which vLLM runs only with trust_remote_code, as `vllm serve` refuses it without "
+            "--trust-remote-code: set engine_args.trust_remote_code: true, and Preprocess, the VisionEncoder "
+            "and LLMDecode each run that code from the checkpoint on their node")
+    return None
+
+
 def config_dtype(hf_config) -> str:
     """The dtype the checkpoint's config says (the root's, else its text model's), e.g. "bfloat16";
     float32 where it says none. Read from the config vLLM resolved (hf_overrides, revision, ...)."""

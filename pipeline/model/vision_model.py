@@ -42,7 +42,13 @@ from cache_service.keys import content_hash
 from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
 from pipeline.model.encoder_loading import load_encoder_only
-from pipeline.model.engine_settings import config_dtype, feature_settings, folder_digest, stage_engine_args
+from pipeline.model.engine_settings import (
+    config_dtype,
+    feature_settings,
+    folder_digest,
+    load_refusal,
+    stage_engine_args,
+)
 from pipeline.model.samples import sample_image_bytes, sample_video
 
 FINGERPRINT_CHARS = 16
@@ -103,10 +109,13 @@ class VisionModel:
         # and video frames alike.
         self.image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
         self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
-        if dtype == "auto":  # the checkpoint's, as vLLM resolves its config (hf_overrides, revision, ...)
-            hf_config = stage_engine_args(checkpoint, self.settings, "auto", limits).create_model_config().hf_config
-            dtype = config_dtype(hf_config)
-        self.vllm_config = stage_engine_args(checkpoint, self.settings, dtype, limits).create_engine_config()
+        try:
+            if dtype == "auto":  # the checkpoint's, as vLLM resolves its config (hf_overrides, revision, ...)
+                hf_config = stage_engine_args(checkpoint, self.settings, "auto", limits).create_model_config().hf_config
+                dtype = config_dtype(hf_config)
+            self.vllm_config = stage_engine_args(checkpoint, self.settings, dtype, limits).create_engine_config()
+        except Exception as err:
+            raise load_refusal(checkpoint, self.settings, err) or err
         model_config = self.vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
