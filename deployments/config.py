@@ -92,7 +92,9 @@ class IrisConfig(BaseModel):
         description="LLMDecode's `vllm serve` command line, flag by flag with underscores: engine flags "
         "(max_model_len, gpu_memory_utilization, enable_lora, ...) and frontend flags (tool_call_parser, "
         "enable_auto_tool_choice, reasoning_parser, chat_template, default_chat_template_kwargs, lora_modules, "
-        "response_role, ...), checked by vLLM's own parser at start-up. Iris's own settings (model, "
+        "response_role, ...), checked by vLLM's own parser at start-up. Its model part (revision, tokenizer, "
+        "trust_remote_code, hf_overrides, mm_processor_kwargs, load_format, ...: what vLLM's ModelConfig and "
+        "LoadConfig take) is what Preprocess and the VisionEncoder load too. Iris's own settings (model, "
         "served_model_name, dtype, media limits, auth, the server's address) are refused here.",
     )
     auth: AuthConfig = Field(
