@@ -31,7 +31,8 @@ TIMEOUT_S = 600
 def checked(request, tiny_checkpoint) -> tuple[str, dict]:
     family = request.param
     dtype = BUILDERS[family].specs["tiny"].dtype
-    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype],
+    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype,
+                          json.dumps(BUILDERS[family].engine_args)],
                          capture_output=True, text=True, timeout=TIMEOUT_S, env=os.environ.copy())
     assert run.returncode == 0, run.stderr[-4000:]
     return family, json.loads(run.stdout.strip().splitlines()[-1])
