@@ -18,6 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from deployments.config import IrisConfig
+from pipeline.model.builtin import BUILDERS, FAMILIES
 from pipeline.model.engine_settings import model_differences
 from pipeline.model.vision_model import VisionModel
 from tests.support.images import png_bytes
@@ -207,3 +208,12 @@ def test_trusted_checkpoint_code_runs_in_every_stage(remote_code_llava, tiny_che
     (remote_code_llava / "configuration_iris_llava.py").write_text(REMOTE_CONFIG + "\n# another revision\n")
     assert VisionModel(str(remote_code_llava), settings={"trust_remote_code": True}).processing_id() != \
         vision.processing_id()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_loads_in_every_stage_what_llmdecode_loads(family):
+    """LLMDecode refuses to start on any difference (deployments/decode.py): none for the built-ins
+    with their format's settings."""
+    model = f"builtin:tiny-{family.replace('_', '-')}"
+    vision, decode = stages(BUILDERS[family].engine_args, model)
+    assert model_differences(vision.vllm_config.model_config, decode) == []
