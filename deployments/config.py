@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.config import CacheConfig
 from deployments.tracing import TracingConfig
 from deployments.vllm_args import check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
-from pipeline.model.source import resolve_model
+from pipeline.model.source import builtin_engine_args, resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig
 from pipeline.tenancy.fair_gate import FairSharing
@@ -143,6 +143,15 @@ class IrisConfig(BaseModel):
     def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         check_engine_args(value)  # as `vllm serve`'s parser would, less what Iris owns
         return value
+
+    @model_validator(mode="after")
+    def _check_builtin_needs(self) -> IrisConfig:
+        # A built-in that ships its code is refused here, as any such checkpoint is when the stages load it.
+        missing = {k: v for k, v in builtin_engine_args(self.model).items() if self.engine_args.get(k) != v}
+        if missing:
+            raise ValueError(f"{self.model}'s checkpoint needs engine_args {missing}, as every checkpoint of its "
+                             "format does (it ships code of its own, which every stage runs)")
+        return self
 
     @property
     def model_name(self) -> str:

@@ -217,3 +217,9 @@ def test_every_family_loads_in_every_stage_what_llmdecode_loads(family):
     model = f"builtin:tiny-{family.replace('_', '-')}"
     vision, decode = stages(BUILDERS[family].engine_args, model)
     assert model_differences(vision.vllm_config.model_config, decode) == []
+
+
+def test_a_builtin_that_ships_its_code_is_refused_with_the_config_until_trusted():
+    with pytest.raises(ValidationError, match="trust_remote_code"):
+        IrisConfig(model="builtin:tiny-internvl-chat")
+    assert IrisConfig(model="builtin:tiny-internvl-chat", engine_args={"trust_remote_code": True})

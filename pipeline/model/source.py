@@ -25,6 +25,17 @@ def builtin_names() -> list[str]:
     return [f"{BUILTIN_PREFIX}{size}-{family.replace('_', '-')}" for family, size in available()]
 
 
+def builtin_engine_args(model: str) -> dict:
+    """The engine_args a built-in's checkpoints need, as any checkpoint of its format does (e.g.
+    trust_remote_code for one that ships its code); {} for other models."""
+    from pipeline.model.builtin import BUILDERS
+
+    if not model.startswith(BUILTIN_PREFIX):
+        return {}
+    family = model[len(BUILTIN_PREFIX):].partition("-")[2].replace("-", "_")
+    return dict(BUILDERS[family].engine_args) if family in BUILDERS else {}
+
+
 def checkpoint_dir() -> Path:
     return Path(os.environ.get("IRIS_CHECKPOINT_DIR", Path.home() / ".cache" / "iris" / "checkpoints"))
 
