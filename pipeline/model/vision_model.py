@@ -277,7 +277,9 @@ class VisionModel:
         return self._processing_id
 
     def _setting_parts(self) -> list[bytes]:
-        root = Path(self.checkpoint)
+        # The folder vLLM loads (a hub id's cached snapshot where vLLM resolved one), else the checkpoint's.
+        root = next((Path(p) for p in (self.vllm_config.model_config.model, self.checkpoint) if Path(p).is_dir()),
+                    Path(self.checkpoint))
         # The pixel decoder too: Iris's own decoder rescaled 16-bit images, vLLM's (now Iris's) clips them.
         settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs,
                     "image_decoder": "vllm.ImageMediaIO"}
