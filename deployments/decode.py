@@ -107,7 +107,8 @@ class LLMDecode:
                                "VisionEncoder: " + "; ".join(differences))
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
-        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
+        self.engine = AsyncLLM.from_engine_args(engine_args,
+                                                stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
         self.engine.generate = engine_usage.counting(self.engine.generate)
         self.state = State()
         tasks = await self.engine.get_supported_tasks()

@@ -18,8 +18,8 @@ from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings
 
 # Families whose vLLM processor takes videos; vLLM 0.32 takes InternVL's back only through the connector.
-TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6", "internvl",
-               "internvl_chat", "glm4v", "llava_onevision"}
+TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6",
+               "internvl", "internvl_chat", "glm4v", "llava_onevision"}
 VIDEO_BY_CONNECTOR = {"internvl", "internvl_chat", "glm4v", "llava_onevision"}
 
 
@@ -104,7 +104,8 @@ def test_decoder_and_encoder_agree_on_the_fingerprint(encoded, tiny_checkpoint):
     assert decoder.model is None  # the tower is dropped again
     assert decoder.forms == vision.forms and decoder.modalities == vision.modalities
     other = "bfloat16" if vision.dtype != torch.bfloat16 else "float32"
-    assert VisionModel(vision.checkpoint, other, settings=vision.settings).expected_fingerprint() != vision.fingerprint()
+    other_dtype = VisionModel(vision.checkpoint, other, settings=vision.settings)
+    assert other_dtype.expected_fingerprint() != vision.fingerprint()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

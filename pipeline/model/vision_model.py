@@ -115,7 +115,10 @@ class VisionModel:
                 dtype = config_dtype(hf_config)
             self.vllm_config = stage_engine_args(checkpoint, self.settings, dtype, limits).create_engine_config()
         except Exception as err:
-            raise load_refusal(checkpoint, self.settings, err) or err
+            refusal = load_refusal(checkpoint, self.settings, err)
+            if refusal is None:
+                raise
+            raise refusal from err
         model_config = self.vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
