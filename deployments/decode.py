@@ -43,6 +43,7 @@ from pipeline.model import keyed_media
 from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
 from pipeline.model.embedding_form import CONNECTOR
+from pipeline.model.engine_settings import model_differences
 from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened, EncodedMedia
 from pipeline.tenancy.tenant import cache_salt
 
@@ -59,6 +60,15 @@ VLLM_ROUTES = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat C
                "responses": ("openai_serving_responses", "create_responses", "Responses"),
                "tokenize": ("serving_tokenization", "create_tokenize", "Tokenize"),
                "detokenize": ("serving_tokenization", "create_detokenize", "Detokenize")}
+
+
+def engine_flags(config: IrisConfig, vision, connector: dict) -> dict:
+    """LLMDecode's `vllm serve` flags: the user's engine_args (whose model part every stage loads),
+    Iris's defaults and requirements, and what Iris sets itself."""
+    iris_flags = {"served_model_name": [config.model_name], "dtype": str(vision.dtype).removeprefix("torch."),
+                  "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities}}
+    return {**DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
+            **REQUIRED, **connector, **iris_flags}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -88,14 +98,16 @@ class LLMDecode:
         self.staging = FeatureStaging() if connector_widths else None
         connector = ({"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)}
                      if self.staging else {})
-        iris_flags = {"served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
-                      "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}}
-        self.args = serve_args(self.vision.checkpoint, {
-            **DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
-            **REQUIRED, **connector, **iris_flags})
+        self.args = serve_args(self.vision.checkpoint, engine_flags(config, self.vision, connector))
+        engine_args = AsyncEngineArgs.from_cli_args(self.args)
+        # The engine loads what the other stages load (one set of model settings: engine_settings.py).
+        differences = model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
+        if differences:
+            raise RuntimeError("LLMDecode's engine would load another model than Preprocess and the "
+                               "VisionEncoder: " + "; ".join(differences))
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args),
+        self.engine = AsyncLLM.from_engine_args(engine_args,
                                                 stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
         self.engine.generate = engine_usage.counting(self.engine.generate)
         self.state = State()
