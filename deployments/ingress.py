@@ -69,7 +69,7 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        self.parser = RequestParser(config)
+        self.parser = RequestParser(config, decode)
         # What the module-level dependency and error handlers reach (one Ingress per replica process);
         # vLLM's validation handler reads `args`.
         app.state.ingress = self

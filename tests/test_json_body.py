@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, parse_json_body
+from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, data_url_bytes, parse_json_body
 from pipeline.errors import IrisError
 
 
@@ -125,3 +125,17 @@ def test_values_equal_the_standard_librarys(body, ascii_only):
 ])
 def test_what_msgspec_refuses_parses_as_json_loads_does(raw, key, check):
     assert check(parse_json_body(raw)[key])
+
+
+def test_data_url_bytes_are_the_bodys_base64_media_strings():
+    """What request_parsing does not count as text: whole JSON strings that start with `data:`,
+    quotes included, at most `at_most` of them; an escaped `\\/` in the base64 counts as its two bytes."""
+    url = "data:image/png;base64," + "QUJD" * 1000
+    body = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi data: no"},
+        {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+    assert data_url_bytes(body, 4) == 2 * (len(url) + 2)
+    assert data_url_bytes(body, 1) == len(url) + 2  # no more strings than a request may hold images
+    assert data_url_bytes(b'{"messages": "' + b"x" * 10_000 + b'"}', 4) == 0
+    assert data_url_bytes(b'{"a": "data:AB\\/CD"}', 4) == len(b'"data:AB\\/CD"')
+    assert data_url_bytes(b'{"a": "data:unterminated', 4) == 0

@@ -25,12 +25,14 @@ from pipeline.errors import IrisError, bad_request
 MAX_DEPTH = 64
 # Bodies at least this large parse in a thread, so they do not stall the other streams.
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# Where a JSON string holding a data: URL starts.
+DATA_URL = b'"data:'
 # Elements the depth check walks before it bounds the depth by counting brackets instead.
 WALK_BUDGET = 10_000
 
 
-async def read_json_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> dict[str, Any]:
-    """An HTTP body as a JSON object; 413 as soon as it passes `max_bytes` (nothing more is read)."""
+async def read_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> bytearray:
+    """An HTTP body's bytes; 413 as soon as it passes `max_bytes` (nothing more is read)."""
     if declared_length and declared_length.isdigit() and int(declared_length) > max_bytes:
         raise _too_large(max_bytes)
     raw = bytearray()
@@ -38,9 +40,29 @@ async def read_json_body(pieces: AsyncIterator[bytes], declared_length: str | No
         raw += piece
         if len(raw) > max_bytes:
             raise _too_large(max_bytes)
+    return raw
+
+
+async def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
+    """`raw` as a JSON object (parse_json_body), in a thread when large."""
     if len(raw) >= PARSE_IN_THREAD_BYTES:
         return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)
+
+
+def data_url_bytes(raw: bytes | bytearray, at_most: int) -> int:
+    """Bytes of the body's first `at_most` JSON strings that start with `data:` (base64 images and
+    videos), quotes included: what the body holds besides its text, found at C speed before any
+    parsing. A text that holds `"data:` counts as such too; the parsed body's media parts tell."""
+    total, found, start = 0, 0, raw.find(DATA_URL)
+    while start >= 0 and found < at_most:
+        end = raw.find(b'"', start + len(DATA_URL))  # base64 holds no quote: the string's end
+        if end < 0:
+            break
+        total += end + 1 - start
+        found += 1
+        start = raw.find(DATA_URL, end + 1)
+    return total
 
 
 def _too_large(max_bytes: int) -> IrisError:
