@@ -71,6 +71,7 @@ class RequestParser:
         self.max_media_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
                                 + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3
         self.max_model_len: int | None = None
+        self.warned = False
 
     async def max_text_bytes(self) -> int | None:
         """Most bytes of a request's text (its body less its base64 media): max_model_len's worth, by
@@ -79,8 +80,10 @@ class RequestParser:
             try:
                 self.max_model_len = (await self.decode.limits.remote())["max_model_len"]
             except Exception as err:  # an LLMDecode of an older Iris (a rolling update), none up yet
-                logger.warning("max_model_len not known from LLMDecode (%s: %s); the config's: %s",
-                               type(err).__name__, err, self.fallback_model_len)
+                if not self.warned:
+                    self.warned = True
+                    logger.warning("max_model_len not known from LLMDecode (%s: %s); the config's: %s",
+                                   type(err).__name__, err, self.fallback_model_len)
                 if self.fallback_model_len is None:
                     return None
                 return self.fallback_model_len * self.bytes_per_token + TEXT_SLACK_BYTES
