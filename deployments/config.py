@@ -136,7 +136,7 @@ class IrisConfig(BaseModel):
         description="Bounds a request's text before anything parses or tokenizes it: a body whose bytes "
         "besides its base64 images and videos pass the model's max_model_len times this (plus 64 KiB) "
         "is a 400 `context_length_exceeded` at the ingress (docs/api.md). Text runs 3-5 bytes a token, "
-        "JSON-escaped non-Latin script at most 12; raise it only for prompts of longer tokens.",
+        "JSON-escaped non-Latin script up to about 12; raise it only for prompts of longer tokens.",
     )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
