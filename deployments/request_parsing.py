@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import IrisConfig
-from pipeline.api.body import data_url_bytes, parse_body, read_body
+from pipeline.api.body import parse_body, read_body
 from pipeline.api.media_parts import MediaItem, parse_request, request_models
 from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import IrisError
@@ -98,10 +98,11 @@ class RequestParser:
 
         max_text = await self.max_text_bytes()
         max_body = self.max_media_bytes + (max_text if max_text is not None else 1 << 20)
-        raw = await read_body(request.stream(), request.headers.get("content-length"), max_body)
-        media_strings = sum(self.limits.values())  # no request may hold more (a 400 too_many_* else)
-        if max_text is not None:  # before parsing: a text-only body of any size costs one scan
-            self._check_text(route, len(raw) - data_url_bytes(raw, media_strings), max_text)
+        # No request may hold more data: URLs than its images and videos (a 400 too_many_* else).
+        raw = await read_body(request.stream(), request.headers.get("content-length"), max_body, max_text,
+                              media_strings=sum(self.limits.values()))
+        if raw is None:  # over the bound before parsing: a huge text was dropped as it arrived
+            raise self._text_too_long(route, max_text)
         body = await parse_body(raw)
         try:
             parsed, items = parse_request(self.models, route, body, self.limits)
@@ -113,15 +114,15 @@ class RequestParser:
         if max_text is not None:  # a text that held `"data:` strings: only media parts' URLs are not text
             # (each '/' of a URL may have come as `\/`: counted as two bytes, the text is not overcounted)
             urls = sum(len(i.url) + i.url.count("/") for i in items if i.url is not None)
-            self._check_text(route, len(raw) - urls, max_text)
+            if len(raw) - urls > max_text:
+                raise self._text_too_long(route, max_text)
         check_max_tokens(parsed, self.max_tokens_limit)
         return parsed, items
 
-    def _check_text(self, route: str, text_bytes: int, max_text: int) -> None:
-        if text_bytes > max_text:
-            model_len = self.max_model_len or self.fallback_model_len
-            raise IrisError(
-                f"This request's text is {text_bytes} bytes (its body less its base64 images and videos), more "
-                f"than the {max_text} bytes that a prompt of this model's maximum context length, {model_len} "
-                f"tokens, can take at {self.bytes_per_token} bytes a token. Please reduce the length of the "
-                "input.", status_code=400, param=TEXT_PARAM.get(route), code="context_length_exceeded")
+    def _text_too_long(self, route: str, max_text: int) -> IrisError:
+        model_len = self.max_model_len or self.fallback_model_len
+        return IrisError(
+            f"This request's text (its body less its base64 images and videos) is more than the {max_text} "
+            f"bytes that a prompt of this model's maximum context length, {model_len} tokens, can take at "
+            f"{self.bytes_per_token} bytes a token. Please reduce the length of the input.",
+            status_code=400, param=TEXT_PARAM.get(route), code="context_length_exceeded")

@@ -110,7 +110,7 @@ def test_150_mb_text_beside_running_streams_is_a_quick_400_and_stalls_nothing(ap
     while not all(len(s.arrivals) >= 5 for s in streams):
         assert time.monotonic() < deadline and not any(s.error for s in streams), [s.error for s in streams]
         time.sleep(0.05)
-    time.sleep(0.5)  # the streams' own pace before
+    time.sleep(2.0)  # the streams' own pace before
     started = time.monotonic()
     r = _post(app, key, "/v1/chat/completions", huge)
     answered = time.monotonic()
@@ -121,8 +121,10 @@ def test_150_mb_text_beside_running_streams_is_a_quick_400_and_stalls_nothing(ap
         s.join(60)
     try:
         gaps = [g for s in streams for g in s.gaps_within(started, answered + 1.0)]
+        before = [g for s in streams for g in s.gaps_within(started - 2.0, started)]
         print(f"150 MB text: answered {r.status_code} {r.text[:300]!r} in {answered - started:.2f} s; stream gaps "
-              f"meanwhile: the 5 longest (ms) {[round(g * 1000) for g in sorted(gaps)[-5:]]} of {len(gaps)}; "
+              f"meanwhile: the 5 longest (ms) {[round(g * 1000) for g in sorted(gaps)[-5:]]} of {len(gaps)} "
+              f"(the 2 s before: {[round(g * 1000) for g in sorted(before)[-5:]]} of {len(before)}); "
               f"streams ended {[round(s.arrivals[-1] - answered, 2) for s in streams]} s after the answer")
         for s in streams:
             assert s.error is None and s.status == 200, (s.status, s.error)
