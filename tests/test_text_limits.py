@@ -68,24 +68,33 @@ def _assert_context_length_exceeded(r: httpx.Response, param: str = "messages") 
 
 
 # Posts a file's bytes from a process of its own, so that sending them holds no lock of the test
-# process's, whose threads time the streams; prints when it sent and when the answer came
-# (time.monotonic is the system's clock, the same in both processes), then the answer.
+# process's, whose threads time the streams. Reads the file, says so, and posts once told to (its
+# start-up and the read do not compete with the streams being timed); prints when it sent and when
+# the answer came (time.monotonic is the system's clock, the same in both processes), then the answer.
 POSTER = """
 import json, sys, time, httpx
 url, key, path = sys.argv[1:]
 raw = open(path, "rb").read()
+client = httpx.Client(timeout=300, headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+print("ready", flush=True)
+sys.stdin.readline()
 started = time.monotonic()
-r = httpx.post(url, content=raw, timeout=300, headers={"authorization": f"Bearer {key}",
-                                                      "content-type": "application/json"})
-print(json.dumps([started, time.monotonic(), r.status_code, r.text]))
+r = client.post(url, content=raw)
+print(json.dumps([started, time.monotonic(), r.status_code, r.text]), flush=True)
 """
 
 
-def _post_from_another_process(app, key: str, path: str, raw_file) -> tuple[float, float, int, str]:
-    done = subprocess.run([sys.executable, "-c", POSTER, f"{app.url}{path}", key, str(raw_file)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+class Poster:
+    def __init__(self, app, key: str, path: str, raw_file):
+        self.process = subprocess.Popen([sys.executable, "-c", POSTER, f"{app.url}{path}", key, str(raw_file)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "ready"
+
+    def post(self) -> tuple[float, float, int, str]:
+        """(sent, answered, status, body)"""
+        out, _ = self.process.communicate("go\n", timeout=300)
+        assert self.process.returncode == 0, out
+        return tuple(json.loads(out.strip().splitlines()[-1]))
 
 
 class Stream(threading.Thread):
@@ -127,6 +136,7 @@ def test_150_mb_text_beside_running_streams_is_a_quick_400_and_stalls_nothing(ap
     OpenAI's shape, nothing answers 5xx, and the replicas answer afterwards."""
     huge = tmp_path / "huge.json"
     huge.write_bytes(_chat_body("", HUGE_BYTES))
+    poster = Poster(app, key, "/v1/chat/completions", huge)
     streams = [Stream(app, key) for _ in range(2)]
     for s in streams:
         s.start()
@@ -135,7 +145,7 @@ def test_150_mb_text_beside_running_streams_is_a_quick_400_and_stalls_nothing(ap
         assert time.monotonic() < deadline and not any(s.error for s in streams), [s.error for s in streams]
         time.sleep(0.05)
     time.sleep(2.0)  # the streams' own pace before
-    started, answered, status, text = _post_from_another_process(app, key, "/v1/chat/completions", huge)
+    started, answered, status, text = poster.post()
     r = httpx.Response(status, text=text)
     time.sleep(1.0)  # and just after: what the huge request left behind on the replicas
     for s in streams:
