@@ -4,10 +4,11 @@ each), or the refusal `vllm serve` would answer with, in its shape (VLLMAnswer).
 Iris's own refusals stay IrisErrors: a body too large (413) or not JSON, a malformed media part,
 and a text longer than any prompt of the model can be (400 `context_length_exceeded`): its bytes
 besides the body's base64 images and videos over max_model_len x `max_text_bytes_per_token`
-(+ TEXT_SLACK_BYTES). That one is checked on the raw bytes, before the body is parsed, so a huge
-text costs the replicas no parsing, no copy through Ray, no chat template and no tokenizer (the
-stalls of other streams, issue 42); vLLM would refuse it only after all of those. Checked again
-on the parsed body, where its media parts are known."""
+(+ TEXT_SLACK_BYTES). That one is checked as the raw bytes arrive, before the body is parsed, so a
+huge text costs the replicas no parsing, no copy through Ray and no chat template (issue 42). vLLM
+0.32 refuses such a text too, by its length in characters before tokenizing, but only after all
+of those: 2.2 s for 150 MB on the test machine, against 0.9 s here. Checked again on the parsed
+body, where its media parts are known."""
 
 from __future__ import annotations
 
