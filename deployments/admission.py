@@ -3,6 +3,8 @@
 - `caller`, a FastAPI dependency of every route but /health (as `vllm serve --api-key`
   checks keys before any route runs): the request's tenant, or a 401 when API keys are
   configured and the request carries none of them (pipeline/tenancy/auth.py).
+- `unrouted`, the handler of what no route takes (an unknown path: 404, a route's wrong method: 405):
+  the same 401 first, so without a key no answer tells which routes exist.
 - `Admission`: the tenant's limits (pipeline/tenancy/limits.py). A chat or completion request
   holds a ticket from its admission (429 when over a limit, before any media work) until its
   answer ends, however it ends; its prompt tokens are charged with LLMDecode's last message.
@@ -11,7 +13,10 @@
 from __future__ import annotations
 
 import asyncio
+
 from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from deployments.config import IrisConfig
 from deployments.metrics import RequestMetrics, TenantMetrics
@@ -25,6 +30,20 @@ async def caller(request: Request) -> str:
     """FastAPI dependency: the request's tenant (401 IrisError without a configured key). Async,
     so FastAPI runs it on the event loop: a plain function would cost a threadpool hop per request."""
     return request.app.state.ingress.admission.tenant(request)
+
+
+async def unrouted(request: Request, err: HTTPException) -> JSONResponse:
+    """Starlette's 404 (no route has the path) and 405 (a route's wrong method): a 401 without a
+    configured key, as on every route but /health; else the error in OpenAI's shape."""
+    ingress = request.app.state.ingress
+    try:
+        ingress.admission.tenant(request)
+    except IrisError as refused:
+        return ingress.error_response(refused, "request refused")
+    what = "Invalid URL" if err.status_code == 404 else "Method not allowed"
+    error = IrisError(f"{what} ({request.method} {request.url.path})", status_code=err.status_code,
+                      code="not_found" if err.status_code == 404 else "method_not_allowed", headers=err.headers)
+    return ingress.error_response(error, "no route")
 
 
 class Admission:

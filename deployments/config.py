@@ -133,6 +133,13 @@ class IrisConfig(BaseModel):
         "is a 400 naming the parameter, and a request without one generates at most this many. "
         "None: bounded by the context length only, as in vLLM.",
     )
+    max_text_bytes_per_token: int = Field(
+        16, ge=1, le=1024,
+        description="Bounds a request's text before anything parses or tokenizes it: a body whose bytes "
+        "besides its base64 images and videos pass the model's max_model_len times this (plus 64 KiB) "
+        "is a 400 `context_length_exceeded` at the ingress (docs/api.md). Text runs 3-5 bytes a token, "
+        "JSON-escaped non-Latin script up to about 12; raise it only for prompts of longer tokens.",
+    )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces over OTLP: one trace per request, a span per stage "

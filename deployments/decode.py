@@ -376,6 +376,10 @@ class LLMDecode:
         """vLLM's /tokenize and /detokenize (text prompts, text-only chat messages)."""
         return await self._vllm(route, body)
 
+    def limits(self) -> dict:
+        """What the ingress bounds a request's text by before parsing it (deployments/request_parsing.py)."""
+        return {"max_model_len": self.engine.model_config.max_model_len}
+
     async def models(self) -> str:
         """vLLM's /v1/models: the served name and its LoRA adapters."""
         return (await self.state.openai_serving_models.show_available_models()).model_dump_json()

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import tracing
-from deployments.admission import Admission, caller
+from deployments.admission import Admission, caller, unrouted
 from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
@@ -39,9 +39,9 @@ from pipeline.errors import MODEL_CHANGED, IrisError
 from pipeline.stage_io import DecodeCall, DecodeDone
 from pipeline.tenancy.limits import Ticket
 
-# No /docs, /redoc or /openapi.json: every route but /health needs a key (docs/security.md).
+# No /docs, /redoc or /openapi.json: every route but /health needs a key, so do unknown paths (docs/security.md).
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving",
-              docs_url=None, redoc_url=None, openapi_url=None)
+              docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={404: unrouted, 405: unrouted})
 app.add_middleware(tracing.RequestSpans)  # each request's root span; passes straight through with tracing off
 
 
@@ -69,7 +69,7 @@ class Ingress:
         self.metrics = RequestMetrics()
         self.admission = Admission(config, self.metrics)
         self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        self.parser = RequestParser(config)
+        self.parser = RequestParser(config, decode)
         # What the module-level dependency and error handlers reach (one Ingress per replica process);
         # vLLM's validation handler reads `args`.
         app.state.ingress = self

@@ -94,6 +94,27 @@ def cache_miss(indexes: list[int], names: list[str]) -> IrisError:
         status_code=409, param="messages", code="mm_cache_miss", extra={"missing": indexes})
 
 
+async def all_or_none(aws: list) -> list:
+    """The results of `aws`, run together. At the first error the others are cancelled (and
+    awaited: their fetches and encodes have stopped) and that error is raised, so a request with
+    one bad item does no more work for the others; also when the request itself is cancelled."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
 class MediaFeatures:
     def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,
                  metrics: RequestMetrics):
@@ -122,9 +143,10 @@ class MediaFeatures:
                                   f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
         with tracing.span("ingress.fetch"):
             self.metrics.fetched(sum(item.url is not None for item in items))
-            datas = list(await asyncio.gather(*(
+            fetched = iter(await all_or_none([  # one refused: the others' fetches stop
                 load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
-                if item.url is not None else asyncio.sleep(0) for item in items)))
+                for item in items if item.url is not None]))
+            datas = [next(fetched) if item.url is not None else None for item in items]
         with tracing.span("ingress.cache_lookup") as lookup:
             for item, data in zip(items, datas):
                 item.data = data
@@ -237,7 +259,9 @@ class MediaFeatures:
         media.computed += len(own)
         waiting = own + joined
         encodings = [self._inflight[k] for k in waiting]
-        media.encodes = asyncio.gather(*(self._join(k, e) for k, e in zip(waiting, encodings)))
+        # One encode's error is the request's answer: the request stops waiting for the others
+        # (each stops when no other request waits for it).
+        media.encodes = asyncio.ensure_future(all_or_none([self._join(k, e) for k, e in zip(waiting, encodings)]))
         try:
             refs = await asyncio.gather(*(asyncio.shield(e.submitted) for e in encodings))
         except BaseException:

@@ -40,11 +40,13 @@ def pytest_configure(config):
 
 
 # Modules that run on the same apps (tests/support/apps.py reference_args: one per checkpoint; the
-# tenants app of tests/test_serving_tenants.py, which tests/test_client.py and tests/test_dashboard.py
-# use), as (module, its `app` fixture's param or None for all), in the order that hands each app from one to the next:
+# tenants app of tests/test_serving_tenants.py, which tests/test_text_limits.py, tests/test_client.py and
+# tests/test_dashboard.py use), as (module, its `app` fixture's param or None for all), in the order that
+# hands each app from one to the next:
 # AppPool keeps one idle app, so each of these apps starts once. test_rollout updates the Qwen2-VL
 # app in place, so it comes last.
-APP_SHARING_ORDER = [("test_serving_tenants", None), ("test_client", "tenants"), ("test_dashboard", None),
+APP_SHARING_ORDER = [("test_serving_tenants", None), ("test_text_limits", None), ("test_client", "tenants"),
+                     ("test_dashboard", None),
                      ("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
                      ("test_client", "llava"),
                      ("test_tracing", None), ("test_families", None), ("test_serving", "qwen2_vl"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, parse_json_body
+from pipeline.api.body import MAX_DEPTH, WALK_BUDGET, TextMeter, parse_json_body, read_body
 from pipeline.errors import IrisError
 
 
@@ -125,3 +126,51 @@ def test_values_equal_the_standard_librarys(body, ascii_only):
 ])
 def test_what_msgspec_refuses_parses_as_json_loads_does(raw, key, check):
     assert check(parse_json_body(raw)[key])
+
+
+
+def text_of(raw: bytes, at_most: int = 4, piece: int | None = None) -> int:
+    """TextMeter's count, the body fed in pieces of `piece` bytes (all at once by default)."""
+    meter, seen = TextMeter(at_most), []
+    for i in range(0, len(raw), piece or len(raw)):
+        seen.append(meter.text_bytes(raw[:i + (piece or len(raw))]))
+    assert seen == sorted(seen)  # it only grows as bytes arrive
+    return meter.text_bytes(raw, final=True)
+
+
+@pytest.mark.parametrize("piece", [None, 1, 5, 7, 1000])
+def test_text_meter_counts_all_but_the_bodys_base64_media_strings(piece):
+    """What request_parsing bounds by max_model_len: the body less its first `at_most` JSON strings
+    that start with `data:`, quotes included; an escaped `\\/` in the base64 counts as its two bytes."""
+    url = "data:image/png;base64," + "QUJD" * 1000
+    body = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi data: no"},
+        {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+    assert text_of(body, 4, piece) == len(body) - 2 * (len(url) + 2)
+    assert text_of(body, 1, piece) == len(body) - (len(url) + 2)  # no more than a request may hold items
+    text = b'{"messages": "' + b"x" * 10_000 + b'"}'
+    assert text_of(text, 4, piece) == len(text)
+    escaped = b'{"a": "data:AB\\/CD"}'
+    assert text_of(escaped, 4, piece) == len(escaped) - len(b'"data:AB\\/CD"')
+    assert text_of(b'{"a": "data:unterminated', 4, piece) == len(b'{"a": ')
+
+
+def test_a_text_over_the_bound_is_dropped_as_it_arrives():
+    async def pieces(raw: bytes, seen: list):
+        for i in range(0, len(raw), 1000):
+            seen.append(i)
+            yield raw[i:i + 1000]
+
+    async def read(raw: bytes, max_text: int | None, max_bytes: int = 10**7):
+        seen: list = []
+        return await read_body(pieces(raw, seen), None, max_bytes, max_text, media_strings=2), len(seen)
+
+    text = b'{"prompt": "' + b"x" * 100_000 + b'"}'
+    assert asyncio.run(read(text, None)) == (text, 101)
+    assert asyncio.run(read(text, len(text))) == (text, 101)
+    assert asyncio.run(read(text, len(text) - 1)) == (None, 101)  # read to its end, kept no further
+    image = b'{"a": "data:' + b"Q" * 200_000 + b'", "prompt": "hi"}'
+    assert asyncio.run(read(image, 100))[0] == image
+    with pytest.raises(IrisError) as err:  # past the body's own bound: 413 at once
+        asyncio.run(read(text, 1000, max_bytes=50_000))
+    assert err.value.status_code == 413

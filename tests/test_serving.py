@@ -466,6 +466,47 @@ def test_video_by_http_url_and_with_an_image(app):
         httpd.shutdown()
 
 
+def test_one_bad_image_stops_the_requests_other_fetches(app):
+    """A request with an image at a slow URL and one whose URL answers 404 half a second later: the
+    400 comes at once, and the slow fetch is cancelled (its server sees the connection closed long
+    before it would answer, and before the fetch's own time limit)."""
+    import select
+    import socket
+    import threading
+    import time
+
+    from tests.support.http_server import QuietHandler, http_server
+
+    _, base, _ = app
+    asked, closed = threading.Event(), threading.Event()
+
+    class Server(QuietHandler):
+        def do_GET(self):
+            if self.path == "/missing.png":
+                time.sleep(0.5)  # the slow fetch is under way by then
+                return self._send(404)
+            asked.set()
+            until = time.monotonic() + 30
+            while time.monotonic() < until:  # an answer 30 s late, unless the client leaves first
+                if select.select([self.connection], [], [], 0.05)[0] and not self.connection.recv(1, socket.MSG_PEEK):
+                    closed.set()
+                    return
+            self._send(200, png_bytes("square"), [("Content-Type", "image/png")])
+
+    with http_server(Server) as httpd:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        started = time.monotonic()
+        r = _chat(base, [_image_part(f"{url}/slow.png"), _image_part(f"{url}/missing.png")])
+        answered_s = time.monotonic() - started
+        assert r.status_code == 400 and r.json()["error"]["code"] == "image_fetch_failed", r.text
+        assert answered_s < 5, answered_s
+        assert asked.is_set(), "the slow image was never asked for"
+        # Well before the fetch's own time limit (media.fetch_timeout_s, 10 s) would end it.
+        assert closed.wait(3), "the slow image's fetch went on after the request's 400"
+        print(f"400 in {answered_s:.2f} s; the slow fetch was closed {time.monotonic() - started:.2f} s after "
+              "the request was sent")
+
+
 @video_app
 def test_upload_free_video_hit_and_miss(app):
     _, base, name = app

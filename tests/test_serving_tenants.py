@@ -110,7 +110,11 @@ def _within_one_minute(seconds_needed: float) -> None:
 ROUTES = [("GET", "/v1/models", None), ("GET", "/iris/stats", None),
           ("POST", "/tokenize", {"prompt": "hello"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
           ("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2}),
-          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})]
+          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+          ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2})]
+# What no route takes: unknown paths (the docs FastAPI would serve among them), a route's wrong method.
+UNROUTED = [("GET", "/docs", 404), ("GET", "/openapi.json", 404), ("GET", "/redoc", 404), ("POST", "/v1/nope", 404),
+            ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405), ("PUT", "/health", 405)]
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES, ids=[p for _, p, _ in ROUTES])
@@ -124,6 +128,29 @@ def test_every_route_needs_a_right_key(tenants_app, method, path, body):
     for key in (KEYS["alpha"], ALPHA_2):
         r = call(_auth(key))
         assert r.status_code == 200, r.text
+
+
+def test_the_routes_above_are_every_route_of_the_app():
+    """A route added to the ingress without a key check, or without a case above, fails here."""
+    from deployments.ingress import app
+
+    routes = {(method, route.path) for route in app.routes for method in getattr(route, "methods", None) or ()}
+    assert routes - {("GET", "/health")} == {(method, path) for method, path, _ in ROUTES}
+
+
+@pytest.mark.parametrize("method, path, status", UNROUTED, ids=[f"{m} {p}" for m, p, _ in UNROUTED])
+def test_unknown_paths_and_methods_need_a_key_too(tenants_app, method, path, status):
+    def call(headers: dict) -> httpx.Response:
+        return httpx.request(method, f"{tenants_app.url}{path}", headers=headers, timeout=60)
+
+    for headers in ({}, _auth(WRONG)):
+        _assert_401(call(headers))
+    r = call(_auth(KEYS["alpha"]))
+    assert r.status_code == status, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["code"] == ("not_found" if status == 404 else "method_not_allowed") and path in error["message"]
+    if status == 405:
+        assert "allow" in r.headers
 
 
 def test_health_stays_open(tenants_app):

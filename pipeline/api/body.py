@@ -25,22 +25,76 @@ from pipeline.errors import IrisError, bad_request
 MAX_DEPTH = 64
 # Bodies at least this large parse in a thread, so they do not stall the other streams.
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# Where a JSON string holding a data: URL starts.
+DATA_URL = b'"data:'
 # Elements the depth check walks before it bounds the depth by counting brackets instead.
 WALK_BUDGET = 10_000
 
 
-async def read_json_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> dict[str, Any]:
-    """An HTTP body as a JSON object; 413 as soon as it passes `max_bytes` (nothing more is read)."""
+async def read_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int,
+                    max_text: int | None = None, media_strings: int = 0) -> bytearray | None:
+    """An HTTP body's bytes; 413 as soon as it passes `max_bytes` (nothing more is read).
+
+    With `max_text`: None once the body's text (TextMeter) passes it. The rest is read, up to
+    `max_bytes`, and dropped, so that a client still sending reads the refusal rather than a reset
+    connection; nothing of it is kept, copied or scanned, so a huge text costs the event loop no
+    more than its network reads."""
     if declared_length and declared_length.isdigit() and int(declared_length) > max_bytes:
         raise _too_large(max_bytes)
-    raw = bytearray()
+    raw, size, meter = bytearray(), 0, TextMeter(media_strings)
     async for piece in pieces:
-        raw += piece
-        if len(raw) > max_bytes:
+        size += len(piece)
+        if size > max_bytes:
             raise _too_large(max_bytes)
+        if raw is None:
+            continue
+        raw += piece
+        if max_text is not None and len(raw) > max_text and meter.text_bytes(raw) > max_text:
+            raw = None
+    if raw is not None and max_text is not None and meter.text_bytes(raw, final=True) > max_text:
+        return None
+    return raw
+
+
+async def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
+    """`raw` as a JSON object (parse_json_body), in a thread when large."""
     if len(raw) >= PARSE_IN_THREAD_BYTES:
         return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)
+
+
+class TextMeter:
+    """The bytes of a body's text as it arrives: all but its first `at_most` JSON strings that
+    start with `data:` (base64 images and videos, quotes included), found at C speed without
+    parsing. A text that holds `"data:` counts as such; the parsed body's media parts tell."""
+
+    def __init__(self, at_most: int):
+        self.at_most = at_most
+        self.media = 0  # bytes of the data strings closed so far
+        self.found = 0
+        self.open: int | None = None  # where a data string not closed yet starts
+        self.pos = 0  # bytes before it are classified (a data string, open or closed, or text)
+
+    def text_bytes(self, raw: bytes | bytearray, final: bool = False) -> int:
+        """The text among the bytes classified so far (all of them if `final`): it only grows as
+        more bytes arrive, so a body over a bound can be refused before its end."""
+        while self.found < self.at_most:
+            if self.open is not None:
+                end = raw.find(b'"', self.pos)  # base64 holds no quote: the string's end
+                if end < 0:
+                    self.pos = len(raw)
+                    break
+                self.media += end + 1 - self.open
+                self.found, self.open, self.pos = self.found + 1, None, end + 1
+                continue
+            start = raw.find(DATA_URL, self.pos)
+            if start < 0:  # the needle may yet straddle what comes next
+                self.pos = max(self.pos, len(raw) - len(DATA_URL) + 1)
+                break
+            self.open, self.pos = start, start + len(DATA_URL)
+        if self.found >= self.at_most or final:
+            self.pos = len(raw)
+        return self.pos - self.media - (self.pos - self.open if self.open is not None else 0)
 
 
 def _too_large(max_bytes: int) -> IrisError:
