@@ -12,10 +12,12 @@ import dataclasses
 import inspect
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
 import torch
+from ray import serve
 
 from cache_service.keys import item_key
 from deployments.config import IrisConfig
@@ -27,9 +29,12 @@ from tests.support.images import unique_png
 
 
 @pytest.fixture
-async def make_encoder(ray_cluster, tiny_checkpoint, namespace):
+async def make_encoder(ray_cluster, tiny_checkpoint, namespace, monkeypatch):
     """Factory of VisionEncoders (each a replica of its own: model, cache, batch queue) in this test's
     namespace; shut down at teardown as Serve does."""
+    # What Serve's batching asks of the replica it runs in (its max_ongoing_requests, Serve's default).
+    replica = SimpleNamespace(_deployment_config=SimpleNamespace(max_ongoing_requests=5))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: replica)
     made: list[VisionEncoder] = []
 
     def make(cache: dict | None = None, **settings) -> VisionEncoder:
@@ -101,8 +106,8 @@ async def test_an_item_the_tower_refuses_fails_alone_in_its_batch(make_encoder):
         encoder.encode(key_of(encoder, "tenant-a", bad_data), bad, "tenant-a", None, "image[1]"),
         encoder.encode(key_of(encoder, "tenant-b", good_data), good, "tenant-b", None, "image[0]"),
         return_exceptions=True)
-    assert encoder.batches == 1  # one batch held both
     assert isinstance(encoded, EncodedMedia), encoded
+    assert encoder.batches == 1  # one batch held both
     [alone] = encoder.vision.encode([good])
     assert torch.equal((await encoded.features_ref).tensors["image_embeds"], alone.tensors["image_embeds"])
     assert isinstance(refused, IrisError), refused
