@@ -46,7 +46,6 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -68,7 +67,6 @@ from bench.harness.workloads import WorkloadFactory, hash_str, image_prompt_char
 
 SWEEP_WORKLOAD = "zipf"
 PROFILED_POINTS = ("unique-c1", "repeat-c1")  # a new image and a cached one, one request at a time
-PAUSE_SETTLE_S = 2.0  # --pause-idle: after the others stop, before the measured system's point
 
 
 @dataclass(frozen=True)
@@ -356,7 +354,7 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
                         watch = watches[system_name]
                         try:
                             if not watch.check():
-                                with _alone(running, system_name, args.pause_idle):
+                                with systems.measured_alone(running, system_name, args.pause_idle):
                                     result = measure(running[system_name], point, factory, args, image_chars,
                                                      checkpoint, profiler, round_, watch)
                         except liveness.SystemBroken:
@@ -374,22 +372,6 @@ def _run_batch(names: list[str], replicas: int, plan: list[LoadPoint], args, eng
         for system_name, system in running.items():
             bar.set_description(f"{system_name} x{replicas}: stopping")
             system.stop()
-
-
-@contextmanager
-def _alone(running: dict[str, systems.RunningSystem], name: str, pause: bool):
-    """With `pause`, the other systems are stopped (SIGSTOP) while `name` is measured, then continued;
-    the measured one gets a moment to catch up on what it owes from its own pause."""
-    others = [s for n, s in running.items() if n != name] if pause else []
-    for system in others:
-        system.pause()
-    try:
-        if others:
-            time.sleep(PAUSE_SETTLE_S)
-        yield
-    finally:
-        for system in others:
-            system.resume()
 
 
 def _save(run: dict, out_dir: Path, name: str, plots: bool) -> None:

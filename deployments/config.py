@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.config import CacheConfig
 from deployments.tracing import TracingConfig
-from deployments.vllm_args import check_engine_args
+from deployments.vllm_args import check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
-from pipeline.model.source import resolve_model
+from pipeline.model.source import builtin_engine_args, resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig
 from pipeline.tenancy.fair_gate import FairSharing
@@ -92,7 +92,9 @@ class IrisConfig(BaseModel):
         description="LLMDecode's `vllm serve` command line, flag by flag with underscores: engine flags "
         "(max_model_len, gpu_memory_utilization, enable_lora, ...) and frontend flags (tool_call_parser, "
         "enable_auto_tool_choice, reasoning_parser, chat_template, default_chat_template_kwargs, lora_modules, "
-        "response_role, ...), checked by vLLM's own parser at start-up. Iris's own settings (model, "
+        "response_role, ...), checked by vLLM's own parser at start-up. Its model part (revision, tokenizer, "
+        "trust_remote_code, hf_overrides, mm_processor_kwargs, load_format, ...: what vLLM's ModelConfig and "
+        "LoadConfig take) is what Preprocess and the VisionEncoder load too. Iris's own settings (model, "
         "served_model_name, dtype, media limits, auth, the server's address) are refused here.",
     )
     auth: AuthConfig = Field(
@@ -142,14 +144,23 @@ class IrisConfig(BaseModel):
         check_engine_args(value)  # as `vllm serve`'s parser would, less what Iris owns
         return value
 
+    @model_validator(mode="after")
+    def _check_builtin_needs(self) -> IrisConfig:
+        # A built-in that ships its code is refused here, as any such checkpoint is when the stages load it.
+        missing = {k: v for k, v in builtin_engine_args(self.model).items() if self.engine_args.get(k) != v}
+        if missing:
+            raise ValueError(f"{self.model}'s checkpoint needs engine_args {missing}, as every checkpoint of its "
+                             "format does (it ships code of its own, which every stage runs)")
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
     def vision_model(self) -> VisionModel:
         """vLLM's image and video path for this model, built alike by every stage so that they agree
-        (processor settings, dtype, fingerprint)."""
+        (processor settings, dtype, fingerprint): with the model settings of `engine_args` (revision,
+        tokenizer, trust_remote_code, hf_overrides, ...), which LLMDecode's engine gets too."""
         return VisionModel(resolve_model(self.model), self.dtype,
                            {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
-                           self.engine_args.get("mm_processor_kwargs"), self.engine_args.get("media_io_kwargs"),
-                           connector=self.decoder_features == "connector")
+                           connector=self.decoder_features == "connector", settings=model_settings(self.engine_args))

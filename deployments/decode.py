@@ -43,6 +43,7 @@ from pipeline.model import keyed_media
 from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
 from pipeline.model.embedding_form import CONNECTOR
+from pipeline.model.engine_settings import model_differences
 from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened, EncodedMedia
 from pipeline.tenancy.tenant import cache_salt
 
@@ -53,6 +54,21 @@ PLACEHOLDER_MISSING = "Failed to apply prompt replacement"  # vLLM's words for a
 # Iris's defaults for vLLM flags a user may still set: usage reports prefix-cache hits
 # (`prompt_tokens_details.cached_tokens`), which is what Iris's caches are for.
 DEFAULT_FLAGS = {"enable_prompt_tokens_details": True}
+# Iris's routes -> vLLM's serving object, its method, and the API's name in vLLM's refusal.
+VLLM_ROUTES = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
+               "completion": ("openai_serving_completion", "create_completion", "Completions"),
+               "responses": ("openai_serving_responses", "create_responses", "Responses"),
+               "tokenize": ("serving_tokenization", "create_tokenize", "Tokenize"),
+               "detokenize": ("serving_tokenization", "create_detokenize", "Detokenize")}
+
+
+def engine_flags(config: IrisConfig, vision, connector: dict) -> dict:
+    """LLMDecode's `vllm serve` flags: the user's engine_args (whose model part every stage loads),
+    Iris's defaults and requirements, and what Iris sets itself."""
+    iris_flags = {"served_model_name": [config.model_name], "dtype": str(vision.dtype).removeprefix("torch."),
+                  "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities}}
+    return {**DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
+            **REQUIRED, **connector, **iris_flags}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -82,14 +98,16 @@ class LLMDecode:
         self.staging = FeatureStaging() if connector_widths else None
         connector = ({"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)}
                      if self.staging else {})
-        iris_flags = {"served_model_name": [config.model_name], "dtype": str(self.vision.dtype).removeprefix("torch."),
-                      "limit_mm_per_prompt": {m: self.vision.limits[m] for m in self.vision.modalities}}
-        self.args = serve_args(self.vision.checkpoint, {
-            **DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
-            **REQUIRED, **connector, **iris_flags})
+        self.args = serve_args(self.vision.checkpoint, engine_flags(config, self.vision, connector))
+        engine_args = AsyncEngineArgs.from_cli_args(self.args)
+        # The engine loads what the other stages load (one set of model settings: engine_settings.py).
+        differences = model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
+        if differences:
+            raise RuntimeError("LLMDecode's engine would load another model than Preprocess and the "
+                               "VisionEncoder: " + "; ".join(differences))
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args),
+        self.engine = AsyncLLM.from_engine_args(engine_args,
                                                 stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
         self.engine.generate = engine_usage.counting(self.engine.generate)
         self.state = State()
@@ -244,34 +262,40 @@ class LLMDecode:
     async def _serve(self, call: DecodeCall, trace: dict[str, str] | None):
         """vLLM's answer: DecodeOpened with its JSON body or error, or its SSE stream."""
         from starlette.requests import Request
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        routes = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
-                  "completion": ("openai_serving_completion", "create_completion", "Completions"),
-                  "responses": ("openai_serving_responses", "create_responses", "Responses")}
-        serving, method, api = routes[call.route]
         headers = {**call.headers, **(trace or {})}
         # What vLLM reads of the HTTP request: X-Request-Id, the trace context.
         raw = Request({"type": "http", "method": "POST", "path": "/", "query_string": b"",
                        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
         call.body.cache_salt = _salted(call.tenant, getattr(call.body, "cache_salt", None))
         mark("decode.engine_call")
+        answer = await self._vllm(call.route, call.body, raw)
+        if hasattr(answer, "__aiter__") and call.route == "responses":
+            return _responses_sse(answer)
+        return answer
+
+    async def _vllm(self, route: str, body, raw=None):
+        """vLLM's serving object for `route` answers `body`: DecodeOpened with its JSON body or its
+        error (what vLLM's exception handlers answer with), or its stream."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        serving, method, api = VLLM_ROUTES[route]
         try:
             handler = getattr(self.state, serving, None)
             if handler is None:
                 raise NotImplementedError(f"The model does not support {api} API")
-            answer = await getattr(handler, method)(call.body, raw)
-        except Exception as err:  # what vLLM's exception handlers answer with
+            answer = await getattr(handler, method)(body, raw)
+        except Exception as err:
             answer = create_error_response(err)
+        if hasattr(answer, "__aiter__"):
+            return answer
         if isinstance(answer, ErrorResponse):
             if answer.error.code == 500 and PLACEHOLDER_MISSING in answer.error.message:
                 # A chat template that places no token for an item (one that takes no video, say):
                 # the request's input, not a fault of the server (`vllm serve` answers 500).
                 answer.error.code, answer.error.type = 400, "BadRequestError"
             return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
-        if hasattr(answer, "__aiter__"):
-            return answer if call.route != "responses" else _responses_sse(answer)
         return DecodeOpened(body=answer.model_dump_json())
 
     async def _media_items(self, keys: list[str], features: list, modalities: list[str], staged: list[str]) -> dict:
@@ -348,24 +372,9 @@ class LLMDecode:
         except Exception as err:  # a dead engine: say so rather than mask why the request ended
             return f"unknown ({type(err).__name__})"
 
-    async def tokenize(self, body) -> DecodeOpened:
-        """vLLM's /tokenize (text prompts, text-only chat messages)."""
-        return await self._answer("serving_tokenization", "create_tokenize", body)
-
-    async def detokenize(self, body) -> DecodeOpened:
-        return await self._answer("serving_tokenization", "create_detokenize", body)
-
-    async def _answer(self, serving: str, method: str, body) -> DecodeOpened:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-        try:
-            answer = await getattr(getattr(self.state, serving), method)(body, None)
-        except Exception as err:
-            answer = create_error_response(err)
-        if isinstance(answer, ErrorResponse):
-            return DecodeOpened(status=answer.error.code, body=answer.model_dump_json())
-        return DecodeOpened(body=answer.model_dump_json())
+    async def text(self, route: str, body) -> DecodeOpened:
+        """vLLM's /tokenize and /detokenize (text prompts, text-only chat messages)."""
+        return await self._vllm(route, body)
 
     async def models(self) -> str:
         """vLLM's /v1/models: the served name and its LoRA adapters."""

@@ -33,18 +33,11 @@ from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
 from deployments.media_features import MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
-from deployments.request_parsing import RequestParser, VLLMAnswer
+from deployments.request_parsing import RequestParser, VLLMAnswer, answer_id, forwarded_headers
 from deployments.stage_trace import mark
-from pipeline.api.media_parts import MediaItem
-from pipeline.api.sampling import check_max_tokens
 from pipeline.errors import MODEL_CHANGED, IrisError
-from pipeline.model.keyed_media import keyed_part
 from pipeline.stage_io import DecodeCall, DecodeDone
 from pipeline.tenancy.limits import Ticket
-
-# What vLLM reads of an HTTP request's headers (its request id; the trace context travels apart).
-FORWARDED_HEADERS = ("x-request-id",)
-ANSWER_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}  # vLLM's, before the request id
 
 # No /docs, /redoc or /openapi.json: every route but /health needs a key (docs/security.md).
 app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving",
@@ -126,7 +119,7 @@ class Ingress:
         """vLLM's /tokenize and /detokenize, answered by a decode replica's tokenizer."""
         try:
             body, _ = await self.parser.parse(route, request)
-            opened = await getattr(self.decode, route).remote(body)
+            opened = await self.decode.text.remote(route, body)
         except VLLMAnswer as answer:
             return answer.response
         except Exception as err:  # a client error, a dead replica (503), a bug (500)
@@ -165,19 +158,13 @@ class Ingress:
         with tracing.span("ingress.parse"):
             body, items = await self.parser.parse(route, request)
         mark("ingress.parsed")
-        forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        if "request_id" in getattr(body, "model_fields_set", ()):
-            # Serve's proxy gives every request an X-Request-Id, which vLLM would prefer to the body's.
-            forwarded.pop("x-request-id", None)
-        # The id vLLM gives the answer: its prefix, then X-Request-Id, else the body's request_id.
-        tracing.tag_request(request_id=ANSWER_ID_PREFIX.get(route, "") + (forwarded.get("x-request-id")
-                                                                          or getattr(body, "request_id", "")))
-        check_max_tokens(body, self.config.max_tokens_limit)
+        forwarded = forwarded_headers(request, body)
+        tracing.tag_request(request_id=answer_id(route, body, forwarded))
         await self.admission.admit(ticket, len(items))  # before any media work
         media = await self.features.resolve(items, ticket.tenant)
         rekeyed = recomputed = False
         while True:
-            self._key_parts(media.items)
+            self.features.key_parts(media.items)
             tracing.tag_request(images_cached=media.cached, images_computed=media.computed,
                                 cache=tracing.cache_outcome(media.cached, media.computed))
             call = DecodeCall(route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded,
@@ -205,12 +192,6 @@ class Ingress:
                 recomputed = True
             else:
                 raise first.error
-
-    def _key_parts(self, items: list[MediaItem]) -> None:
-        """Each media part, in place, becomes the part that names its key for LLMDecode's vLLM."""
-        for item in items:
-            item.part.clear()
-            item.part.update(keyed_part(item.modality, item.key, self.features.delivers_embeddings(item.modality)))
 
     async def _whole(self, stream: DecodeStream, deadline: float, headers: dict, ticket: Ticket) -> Response:
         """A non-streamed answer: its body came first; the last message's token counts are charged.

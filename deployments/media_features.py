@@ -43,6 +43,7 @@ from pipeline.api.media_parts import MediaItem
 from pipeline.errors import MODEL_CHANGED, IrisError, bad_request
 from pipeline.media.fetch import fetch_client, load_media_bytes
 from pipeline.model.embedding_form import CONNECTOR
+from pipeline.model.keyed_media import keyed_part
 from pipeline.stage_io import EncodedMedia, MediaJob
 
 # Keys remembered as present; ~100 bytes each. Being wrong costs one retry (see recompute).
@@ -120,6 +121,7 @@ class MediaFeatures:
                 raise bad_request(f"this model takes no {item.modality} input (it takes "
                                   f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
         with tracing.span("ingress.fetch"):
+            self.metrics.fetched(sum(item.url is not None for item in items))
             datas = list(await asyncio.gather(*(
                 load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
                 if item.url is not None else asyncio.sleep(0) for item in items)))
@@ -170,9 +172,12 @@ class MediaFeatures:
         """A stage said the model changed: later requests key their items for the new weights."""
         self._fingerprint = None
 
-    def delivers_embeddings(self, modality: str) -> bool:
-        """Whether vLLM takes this modality's features as embeddings (else through Iris's EC connector)."""
-        return self._modalities.get(modality) != CONNECTOR
+    def key_parts(self, items: list[MediaItem]) -> None:
+        """Each media part, in place, becomes the part that names its key for LLMDecode's vLLM: its
+        embeddings where vLLM takes them, else the item itself (Iris's EC connector brings the features)."""
+        for item in items:
+            item.part.clear()
+            item.part.update(keyed_part(item.modality, item.key, self._modalities.get(item.modality) != CONNECTOR))
 
     async def model(self) -> dict:
         """The encoder's fingerprint (what a plain `vllm serve` with Iris's EC connector needs to
@@ -249,6 +254,7 @@ class MediaFeatures:
         # Serve passes Preprocess's pending result into the encoder call (model composition):
         # the pixels go through the object store, and Preprocess is free once they are made.
         pixels = context.run(self.preprocess.pixels.remote, job)
+        self.metrics.preprocess_called()
         encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant, job.trace, job.name)
         submitted = loop.create_task(encoded._to_object_ref(), context=context)
         return Encoding(submitted, loop.create_task(self._finish(job, pixels, encoded, submitted), context=context))

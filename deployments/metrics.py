@@ -75,7 +75,9 @@ class StageQueueMetrics:
 
 class RequestMetrics:
     """The ingress's counts: requests by outcome, items by how their features were obtained,
-    time to first token. Mirrored in `counts` for /iris/stats."""
+    time to first token. Mirrored in `counts` for /iris/stats, which also counts the image work
+    the ingress itself starts: `media_fetched` (items whose bytes it loaded: a data: URL decoded
+    or an http(s) URL fetched) and `preprocess_calls` (items it sent to Preprocess)."""
 
     def __init__(self):
         self.counts: Counter[str] = Counter()
@@ -92,6 +94,12 @@ class RequestMetrics:
     def error(self, status_code: int, code: str | None) -> None:
         self.outcome("cache_miss" if code == "mm_cache_miss" else
                      "client_error" if status_code < 500 else "server_error")
+
+    def fetched(self, items: int) -> None:
+        self.counts["media_fetched"] += items
+
+    def preprocess_called(self) -> None:
+        self.counts["preprocess_calls"] += 1
 
     def media(self, cached: int, computed: int) -> None:
         for source, n in (("cached", cached), ("computed", computed)):

@@ -14,6 +14,8 @@ import json
 from functools import cache
 from typing import Any
 
+from pipeline.model import engine_settings
+
 # Flags Iris sets itself: where each lives in Iris's config instead.
 OWNED = {
     "model": "the app's `model`",
@@ -34,6 +36,7 @@ OWNED = {
     "api_server_count": "the Ingress's and LLMDecode's replica counts in serve_config.yaml",
     "headless": "the LLMDecode deployment",
 }
+PLACEHOLDER = "placeholder-model"  # the model, for checks that load nothing
 # vLLM settings Iris relies on; users may not turn them off.
 REQUIRED = {"enable_mm_embeds": True, "enable_prefix_caching": True}
 
@@ -57,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 @cache
 def _defaults() -> dict[str, Any]:
     """Every flag's name (its argparse dest) and default value."""
-    return vars(_parser().parse_args(["--model", "placeholder-model"]))
+    return vars(_parser().parse_args(["--model", PLACEHOLDER]))
 
 
 def check_engine_args(values: dict[str, Any]) -> None:
@@ -73,7 +76,17 @@ def check_engine_args(values: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"unknown vLLM flags {unknown} (engine_args takes `vllm serve`'s flags, "
                          "with underscores: `vllm serve --help`)")
-    serve_args("placeholder-model", values)  # vLLM's parser and its own cross-checks
+    args = serve_args(PLACEHOLDER, values)  # vLLM's parser and its own cross-checks
+    problems = engine_settings.refusals(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def model_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The model part of these settings (revision, tokenizer, trust_remote_code, hf_overrides,
+    mm_processor_kwargs, ...) as vLLM's EngineArgs fields, where they differ from `vllm serve`'s
+    defaults: what every stage loads the checkpoint with (pipeline/model/engine_settings.py)."""
+    return engine_settings.model_settings(serve_args(PLACEHOLDER, values), serve_args(PLACEHOLDER, {}))
 
 
 def argv(values: dict[str, Any]) -> list[str]:

@@ -27,9 +27,7 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
 README_BEGIN, README_END = "<!-- families:begin -->", "<!-- families:end -->"
 # Architectures no built-in checkpoint can stand for, and why.
-NO_BUILTIN = {"InternVLChatModel": "no built-in: InternVL's original format needs remote code (its config "
-                                   "`internvl_chat` is known to neither transformers 5.19 nor vLLM 0.32 without "
-                                   "`trust_remote_code`); its Hugging Face format is served (`InternVLForConditionalGeneration`)"}
+NO_BUILTIN: dict[str, str] = {}
 REMOVED_VLMS = {"MllamaForConditionalGeneration": "Llama 3.2 Vision", "Phi4MMForCausalLM": "Phi-4-multimodal"}
 
 
@@ -63,7 +61,7 @@ def _builtin_architectures() -> dict[str, tuple[str, object, str]]:
     found = {}
     for family, builtin in BUILDERS.items():
         checkpoint = resolve_model(f"builtin:tiny-{family.replace('_', '-')}")
-        vision = VisionModel(checkpoint)
+        vision = VisionModel(checkpoint, settings=builtin.engine_args)
         vision.load_encoder()
         path = "the EC connector" if vision.forms["image"].delivery == CONNECTOR else "image embeddings"
         config = json.loads((Path(checkpoint) / "config.json").read_text())

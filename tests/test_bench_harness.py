@@ -687,7 +687,8 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
                "vision-vs-prefill": ["--repeats", "--families", "--out"],
                "json-body": ["--rounds", "--iters", "--out-dir"],
                "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"],
-               "upload_free": ["--model", "--requests", "--peers", "--seed", "--out-dir"]}[name]
+               "upload_free": ["--model", "--requests", "--rounds", "--iris", "--peers", "--no-pause-idle", "--seed",
+                               "--name", "--out-dir"]}[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 
@@ -1001,6 +1002,49 @@ def test_tenant_fairness_report_takes_the_median_of_per_round_ratios():
            "flood_clients": 8, "b_px": 256, "b_requests": 8}
     text = markdown(run)
     assert "**0.30** (0.25-0.75)" in text and "| under A's flood | 120 (100-300) | 400 (400-400) |" in text
+
+
+def test_upload_free_report_takes_per_round_ratios_and_counts_what_failed():
+    """`python -m bench upload_free`: a case's p50 TTFT and bytes are the median of the rounds';
+    Iris / peer ratios are taken within each round first; a failed request is counted, and a
+    round a system missed leaves its ratios out."""
+    from bench.upload_free import CACHED, CLIENT_CACHED, CLIENT_MISS, NEW, case_result, markdown, summarise
+
+    def case(ttft_ms: float, wire: int, attempts: int = 1, failed: int = 0) -> dict:
+        records = [{"ttft_s": ttft_ms / 1000, "wire_bytes": wire, "attempts": attempts}] * 3
+        return case_result(records, 3 + failed, ["APIError: boom"] * failed)
+
+    def round_(r: int, scale: float, vllm: bool = True) -> dict:
+        results = {"iris": {CACHED: case(40 * scale, 2_000_000), CLIENT_CACHED: case(20 * scale, 200),
+                            NEW: case(100 * scale, 2_000_000), CLIENT_MISS: case(110 * scale, 2_000_300, 2)}}
+        if vllm:
+            results["vllm"] = {CACHED: case(200 * scale, 2_000_000, failed=int(r == 1)),
+                               NEW: case(125 * scale, 2_000_000)}
+        return {"round": r, "order": list(results), "results": results, "broken": []}
+
+    # Round 1 is slow for everyone (the ratios hold); vllm misses round 2.
+    rounds = [round_(0, 1.0), round_(1, 3.0), round_(2, 1.0, vllm=False)]
+    summary = summarise(rounds, "iris", ["vllm"])
+    iris, vllm = summary["cases"]["iris"], summary["cases"]["vllm"]
+    assert iris[CLIENT_CACHED]["ttft_p50_ms"] == {"median": 20.0, "min": 20.0, "max": 60.0}
+    assert iris[CLIENT_MISS]["resends"] == 9 and iris[CLIENT_MISS]["wire_bytes_per_request"]["median"] == 2_000_300
+    assert vllm[CACHED]["requests"] == 7 and vllm[CACHED]["failed"] == 1
+    ratios = {r["what"]: r for r in summary["ratios"]}
+    by_id = ratios["Iris's client, cached / vllm, the same photo's bytes"]
+    assert by_id["rounds"] == 2 and by_id["ttft_p50"] == {"median": 0.1, "min": 0.1, "max": 0.1}
+    assert by_id["wire_bytes"]["median"] == 0.0001
+    assert ratios["the client's id / plain upload, cached (Iris)"]["rounds"] == 3
+    assert ratios["Iris's client, miss+resend / vllm, a new photo"]["ttft_p50"]["median"] == 0.88
+
+    run = {"commit": "abc", "command": "python -m bench upload_free", "started": "now", "model": "m",
+           "machine": {"description": "2-CPU x86_64 machine with 24 GiB, no GPU"}, "duration_s": 540,
+           "requests": 3, "rounds": 3, "pause_idle": True, "photo_bytes": 2_000_000, "photo_px": [2800, 2100],
+           "starts": [{"system": "rayllm", "error": "did not start"}], "per_round": rounds, "summary": summary}
+    text = markdown(run)
+    assert "| iris | client, cached | 200 | 20 (20–60) | 9 | 0 | 0 |" in text
+    assert "| vllm | plain, cached | 2,000,000 | 400 (200–600) | 7 | 1 | 0 |" in text  # two rounds
+    assert "| Iris's client, cached / vllm, the same photo's bytes | 0.10 (0.10–0.10) |" in text
+    assert "- rayllm: did not start" in text and "9.0 min in all" in text
 
 
 # ---- the harness survives its own load (issue 33): memory estimate, dying replicas, clean exit

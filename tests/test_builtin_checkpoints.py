@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.model.builtin import FAMILIES, build_checkpoint
+from pipeline.model.builtin import BUILDERS, FAMILIES, build_checkpoint
 from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
 from tests.support.images import SIZES, make_image
+
+# Built-ins in the Hugging Face format (transformers has their classes); the others ship their config
+# classes as checkpoint code, and vLLM brings their model and processor (InternVL's original format).
+HF_FORMAT = tuple(f for f in FAMILIES if not BUILDERS[f].engine_args.get("trust_remote_code"))
+CODE_FORMAT = tuple(f for f in FAMILIES if f not in HF_FORMAT)
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -24,7 +29,7 @@ def test_build_is_deterministic(tmp_path, tiny_checkpoint):
     assert _digest(again) == _digest(Path(tiny_checkpoint("llava")))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HF_FORMAT)
 def test_hub_layout(family, tiny_checkpoint):
     from safetensors import safe_open
 
@@ -38,7 +43,23 @@ def test_hub_layout(family, tiny_checkpoint):
         assert not any(k.startswith("vision_tower.encoder.") for k in keys)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CODE_FORMAT)
+def test_checkpoint_code_loads_only_when_trusted(family, tiny_checkpoint):
+    """Its config class is the checkpoint's own code, named by config.json's auto_map: transformers
+    refuses it without trust_remote_code, as for the checkpoints users download."""
+    from transformers import AutoConfig
+
+    folder = Path(tiny_checkpoint(family))
+    config = json.loads((folder / "config.json").read_text())
+    for module in {ref.split(".")[0] for ref in config["auto_map"].values()}:
+        assert (folder / f"{module}.py").is_file(), module
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(folder)
+    loaded = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded).__module__.startswith("transformers_modules") and loaded.model_type == config["model_type"]
+
+
+@pytest.mark.parametrize("family", HF_FORMAT)
 def test_transformers_loads_and_runs(family, tiny_checkpoint):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

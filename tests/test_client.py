@@ -1,8 +1,9 @@
 """iris_client against the running app (tiny LLaVA on CPU, real Redis, real vLLM): an image
-uploads once, then goes by id with no bytes on the wire and no image work, answering the same
-(greedy); once the cache lost it (its Redis key deleted, LLMDecode's memory of it dropped), the
-409 is answered by resending exactly the lost images, with the same answer; a content uuid is
-the server's own content key, private to its tenant (the tenants app of test_serving_tenants).
+uploads once, then goes by id with no bytes on the wire and no image work (the ingress's own
+counters in /iris/stats: no fetch, no Preprocess call), answering the same (greedy); once the
+cache lost it (its Redis key deleted, LLMDecode's memory of it dropped), the 409 is answered by
+resending exactly the lost images, with the same answer; a content uuid is the server's own
+content key, private to its tenant (the tenants app of test_serving_tenants).
 
 Apps shared with other modules (conftest's APP_SHARING_ORDER): test_serving's LLaVA app and
 test_serving_tenants' app."""
@@ -73,6 +74,28 @@ def _work(app) -> tuple[int, int]:
     return app.stats("Preprocess")["images_preprocessed"], app.stats("VisionEncoder")["images_encoded"]
 
 
+def _ingress(app) -> dict[str, int]:
+    """The ingress's own counters (/iris/stats `ingress`): media fetched, Preprocess calls, requests.
+
+    /iris/stats answers from whichever ingress replica the proxy picks; the LLaVA app runs one
+    (build_app's default: serve_config.yaml's Ingress autoscaling applies to a config deploy only),
+    checked here, so the counters read are those of the replica that served the requests."""
+    from ray import serve
+
+    replicas = serve.status().applications[app.name].deployments["Ingress"].replica_states
+    assert replicas.get("RUNNING") == 1 and sum(replicas.values()) == 1, replicas
+    stats = httpx.get(f"{app.url}/iris/stats", timeout=30)
+    assert stats.status_code == 200, stats.text
+    counts = stats.json()["ingress"]
+    return {name: counts.get(name, 0) for name in ("media_fetched", "preprocess_calls", "requests_ok",
+                                                   "requests_cache_miss", "images_cached")}
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that moved, by how much."""
+    return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
 def _fingerprint(app) -> str:
     return app.handle("VisionEncoder").get_fingerprint.remote().result()
 
@@ -93,10 +116,14 @@ def _lose(app, tenant: str, png: bytes) -> None:
 @llava
 def test_an_image_sent_before_goes_by_id_with_no_bytes_and_no_work(app):
     wire, png = Wire(app, f"t-{uuid.uuid4().hex[:8]}"), unique_png()
+    counted = _ingress(app)
     first, report = wire.ask(png)
     assert report.sent_as_id == 0 and report.bytes_sent > len(png)
     (part,) = wire.images_in(wire.bodies[-1])
     assert part["uuid"] == content_uuid(png) and part["image_url"]["url"] == data_url(png)
+    # The upload: the ingress loaded its bytes and called Preprocess, once each.
+    uploaded = _ingress(app)
+    assert _moved(counted, uploaded) == {"media_fetched": 1, "preprocess_calls": 1, "requests_ok": 1}
 
     work = _work(app)
     for stream in (False, True):
@@ -106,7 +133,9 @@ def test_an_image_sent_before_goes_by_id_with_no_bytes_and_no_work(app):
         assert report.bytes_saved == len(data_url(png))
         assert wire.images_in(wire.bodies[-1]) == [{"type": "image_url", "image_url": None, "uuid": content_uuid(png)}]
         assert len(wire.bodies[-1]) < 2000 < len(png)  # the request is text: no image on the wire
-    assert _work(app) == work  # no Preprocess, no encoder
+    # The repeats: answered from the cache, with no fetch and no Preprocess call in the ingress.
+    assert _moved(uploaded, _ingress(app)) == {"requests_ok": 2, "images_cached": 2}
+    assert _work(app) == work  # nor any work in the stages
 
 
 @llava
@@ -116,7 +145,7 @@ def test_after_the_cache_lost_one_of_two_images_only_it_is_resent(app):
     fresh, _ = wire.ask(a, b)
     assert wire.ask(a, b)[1].sent_as_id == 2
     _lose(app, tenant, b)
-    work = _work(app)
+    work, counted = _work(app), _ingress(app)
     answer, report = wire.ask(a, b)
     assert answer == fresh
     assert report.attempts == 2 and report.resent == [1] and report.sent_as_id == 1
@@ -125,6 +154,10 @@ def test_after_the_cache_lost_one_of_two_images_only_it_is_resent(app):
     assert resend[0] == {"type": "image_url", "image_url": None, "uuid": content_uuid(a)}
     assert resend[1]["image_url"]["url"] == data_url(b) and report.bytes_sent == len(data_url(b))
     assert _work(app)[0] == work[0] + 1  # b alone was preprocessed again
+    # The ingress: a 409, then one fetch and one Preprocess call, b's (a went by id both times).
+    moved = _moved(counted, _ingress(app))
+    assert (moved.get("requests_cache_miss"), moved.get("requests_ok")) == (1, 1), moved
+    assert (moved.get("media_fetched"), moved.get("preprocess_calls")) == (1, 1), moved
     # One lost image of one: the same.
     _lose(app, tenant, a)
     answer, report = wire.ask(a)

@@ -27,11 +27,25 @@ from tests.test_families import FEATURE_RTOL
 TIMEOUT_S = 600
 
 
-@pytest.fixture(scope="module", params=ENGINE_TESTED_FAMILIES)
+# Each family with its format's engine_args; and one whose model settings differ from its checkpoint's
+# config (an hf_overrides taking LLaVA's features from the tower's last layer, not the one before),
+# which Iris's encoder must honour as the engine does (tests/test_stage_settings.py: the other
+# settings, without an engine).
+VARIANTS = [(family, BUILDERS[family].engine_args) for family in ENGINE_TESTED_FAMILIES] + [
+    ("llava", {"hf_overrides": {"vision_feature_layer": -1}})]
+
+
+def _variant_id(variant) -> str:
+    family, engine_args = variant
+    return family if engine_args == BUILDERS[family].engine_args else f"{family}+{'+'.join(engine_args)}"
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=_variant_id)
 def checked(request, tiny_checkpoint) -> tuple[str, dict]:
-    family = request.param
+    family, engine_args = request.param
     dtype = BUILDERS[family].specs["tiny"].dtype
-    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype],
+    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype,
+                          json.dumps(engine_args)],
                          capture_output=True, text=True, timeout=TIMEOUT_S, env=os.environ.copy())
     assert run.returncode == 0, run.stderr[-4000:]
     return family, json.loads(run.stdout.strip().splitlines()[-1])

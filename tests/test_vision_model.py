@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache_service.features import Features
-from pipeline.model.builtin import FAMILIES
+from pipeline.model.builtin import BUILDERS, FAMILIES
 from pipeline.model.embedding_form import CONNECTOR, EMBEDDINGS, SOURCE
 from pipeline.model.samples import sample_image_bytes
 from pipeline.model.vision_model import VisionModel
@@ -18,16 +18,16 @@ from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings
 
 # Families whose vLLM processor takes videos; vLLM 0.32 takes InternVL's back only through the connector.
-TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6", "internvl",
-               "glm4v", "llava_onevision"}
-VIDEO_BY_CONNECTOR = {"internvl", "glm4v", "llava_onevision"}
+TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6",
+               "internvl", "internvl_chat", "glm4v", "llava_onevision"}
+VIDEO_BY_CONNECTOR = {"internvl", "internvl_chat", "glm4v", "llava_onevision"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def encoded(request, tiny_checkpoint):
     """(vision, features): two images and, where the model takes video, one clip, in one batch,
     with their bytes where the decoder needs them (connector delivery)."""
-    vision = VisionModel(tiny_checkpoint(request.param))
+    vision = VisionModel(tiny_checkpoint(request.param), settings=BUILDERS[request.param].engine_args)
     vision.load_encoder()
     assert ("video" in vision.modalities) == (request.param in TAKES_VIDEO), vision.modalities
     items = [(png_bytes(n), vision.load_image(png_bytes(n)), "image") for n in ("wide", "tall")]
@@ -99,12 +99,13 @@ def test_metadata_must_match_the_embeddings(encoded):
 
 def test_decoder_and_encoder_agree_on_the_fingerprint(encoded, tiny_checkpoint):
     vision, _ = encoded
-    decoder = VisionModel(vision.checkpoint)
+    decoder = VisionModel(vision.checkpoint, settings=vision.settings)
     assert decoder.expected_fingerprint() == vision.fingerprint()
     assert decoder.model is None  # the tower is dropped again
     assert decoder.forms == vision.forms and decoder.modalities == vision.modalities
     other = "bfloat16" if vision.dtype != torch.bfloat16 else "float32"
-    assert VisionModel(vision.checkpoint, other).expected_fingerprint() != vision.fingerprint()
+    other_dtype = VisionModel(vision.checkpoint, other, settings=vision.settings)
+    assert other_dtype.expected_fingerprint() != vision.fingerprint()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -152,7 +153,7 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     if not takes_image_embeddings(vision.checkpoint):
         assert vision.forms["image"].delivery == CONNECTOR, family
     elif vision.forms["image"].delivery == CONNECTOR:
-        model = VisionModel(vision.checkpoint, connector=True)
+        model = VisionModel(vision.checkpoint, connector=True, settings=vision.settings)
         model.load_encoder()  # (its forms say connector: the check below does not depend on them)
         one, other = (model.encode([model.preprocess(model.load_image(data))])[0]
                       for data in (sample_image_bytes(), sample_image_bytes(160, 40)))

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,7 @@ SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-connector", "iris
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
 ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
+PAUSE_SETTLE_S = 2.0  # measured_alone: after the others stop, before the measured system's requests
 # EngineSettings.gpu: Iris's tower and one decode engine share a GPU (serve_config.yaml's GPU lines), so
 # one GPU holds the whole app, as one GPU holds each peer; the CPUs as serve_config.yaml's GPU lines say.
 IRIS_GPU_ACTORS = {"Preprocess": {"num_cpus": 2}, "VisionEncoder": {"num_cpus": 1, "num_gpus": 0.2},
@@ -157,6 +159,22 @@ class RunningSystem:
             raise
         self.start_s = time.monotonic() - started
         return self
+
+
+@contextmanager
+def measured_alone(running: dict[str, RunningSystem], name: str, pause: bool):
+    """With `pause`, the other systems are stopped (SIGSTOP) while `name` is measured, then continued;
+    the measured one gets a moment to catch up on what it owes from its own pause."""
+    others = [s for n, s in running.items() if n != name] if pause else []
+    for system in others:
+        system.pause()
+    try:
+        if others:
+            time.sleep(PAUSE_SETTLE_S)
+        yield
+    finally:
+        for system in others:
+            system.resume()
 
 
 def delete_namespace(client, namespace: str) -> None:

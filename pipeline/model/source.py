@@ -11,7 +11,6 @@ Accepted forms:
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
@@ -24,6 +23,17 @@ BUILTIN_PREFIX = "builtin:"
 
 def builtin_names() -> list[str]:
     return [f"{BUILTIN_PREFIX}{size}-{family.replace('_', '-')}" for family, size in available()]
+
+
+def builtin_engine_args(model: str) -> dict:
+    """The engine_args a built-in's checkpoints need, as any checkpoint of its format does (e.g.
+    trust_remote_code for one that ships its code); {} for other models."""
+    from pipeline.model.builtin import BUILDERS
+
+    if not model.startswith(BUILTIN_PREFIX):
+        return {}
+    family = model[len(BUILTIN_PREFIX):].partition("-")[2].replace("-", "_")
+    return dict(BUILDERS[family].engine_args) if family in BUILDERS else {}
 
 
 def checkpoint_dir() -> Path:
@@ -67,17 +77,3 @@ def _ensure_builtin(model: str) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def checkpoint_dtype(checkpoint: str) -> str:
-    """The dtype a checkpoint was saved in (config.json), e.g. "bfloat16"; float32 if it says none."""
-    path = Path(checkpoint) / "config.json"
-    if path.is_file():
-        config = json.loads(path.read_text())
-    else:  # a hub id
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(checkpoint).to_dict()
-    text = config.get("text_config") or {}
-    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return str(name or "float32").removeprefix("torch.")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,14 @@ from cache_service.keys import content_hash
 from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
 from pipeline.model.encoder_loading import load_encoder_only
+from pipeline.model.engine_settings import (
+    config_dtype,
+    feature_settings,
+    folder_digest,
+    load_refusal,
+    stage_engine_args,
+)
 from pipeline.model.samples import sample_image_bytes, sample_video
-from pipeline.model.source import checkpoint_dtype
 
 FINGERPRINT_CHARS = 16
 MODALITIES = ("image", "video")  # what Iris takes from clients; a family serves those vLLM serves for it
@@ -75,29 +82,43 @@ class VisionModel:
     the decoder must agree on it for features to equal vLLM's own. `max_items` caps
     images and videos per prompt (vLLM's `limit_mm_per_prompt`); `media_io_kwargs`
     is vLLM's `--media-io-kwargs` (e.g. {"video": {"num_frames": 16}}), for the loader.
+    `settings`: vLLM's other model settings, as LLMDecode's engine gets them (EngineArgs fields:
+    revision, tokenizer, trust_remote_code, hf_overrides, ...; pipeline/model/engine_settings.py).
     `connector`: deliver every modality through the EC connector, also where vLLM takes
     embeddings (to compare the two paths)."""
 
     def __init__(self, checkpoint: str, dtype: str = "auto", max_items: dict[str, int] | None = None,
                  mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None,
-                 connector: bool = False):
-        from vllm.engine.arg_utils import EngineArgs
+                 connector: bool = False, settings: Mapping[str, Any] | None = None):
         from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.multimodal.media import ImageMediaIO
 
         self.checkpoint = checkpoint
         self.force_connector = connector
-        self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
-        self.media_io_kwargs = {m: dict(kw) for m, kw in (media_io_kwargs or {}).items()}
+        # vLLM's model settings, as LLMDecode's engine gets them (engine_settings.py): `settings`, with
+        # the processor's and loader's settings given apart.
+        self.settings = dict(settings or {})
+        for name, value in (("mm_processor_kwargs", mm_processor_kwargs), ("media_io_kwargs", media_io_kwargs)):
+            if value:
+                if self.settings.get(name, value) != value:
+                    raise ValueError(f"{name} given twice, with other values")
+                self.settings[name] = value
+        self.mm_processor_kwargs = dict(self.settings.get("mm_processor_kwargs") or {})
+        self.media_io_kwargs = {m: dict(kw) for m, kw in (self.settings.get("media_io_kwargs") or {}).items()}
         # vLLM's image loader as `vllm serve` builds it (RGB, its --media-io-kwargs), for images
         # and video frames alike.
         self.image_io = ImageMediaIO(**({"image_mode": "RGB"} | self.media_io_kwargs.get("image", {})))
         self.limits = limits = {"image": 4, "video": 1, **(max_items or {})}  # items per prompt, by modality
-        self.vllm_config = EngineArgs(
-            model=checkpoint, dtype=checkpoint_dtype(checkpoint) if dtype == "auto" else dtype,
-            mm_encoder_only=True, enable_mm_embeds=True, enforce_eager=True, limit_mm_per_prompt=limits,
-            mm_processor_kwargs=self.mm_processor_kwargs or None, media_io_kwargs=self.media_io_kwargs or None,
-        ).create_engine_config()
+        try:
+            if dtype == "auto":  # the checkpoint's, as vLLM resolves its config (hf_overrides, revision, ...)
+                hf_config = stage_engine_args(checkpoint, self.settings, "auto", limits).create_model_config().hf_config
+                dtype = config_dtype(hf_config)
+            self.vllm_config = stage_engine_args(checkpoint, self.settings, dtype, limits).create_engine_config()
+        except Exception as err:
+            refusal = load_refusal(checkpoint, self.settings, err)
+            if refusal is None:
+                raise
+            raise refusal from err
         model_config = self.vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.processor = MULTIMODAL_REGISTRY.create_processor(model_config)
@@ -259,17 +280,24 @@ class VisionModel:
         return self._processing_id
 
     def _setting_parts(self) -> list[bytes]:
-        root = Path(self.checkpoint)
+        # The folder vLLM loads (a hub id's cached snapshot where vLLM resolved one), else the checkpoint's.
+        root = next((Path(p) for p in (self.vllm_config.model_config.model, self.checkpoint) if Path(p).is_dir()),
+                    Path(self.checkpoint))
         # The pixel decoder too: Iris's own decoder rescaled 16-bit images, vLLM's (now Iris's) clips them.
         settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs,
                     "image_decoder": "vllm.ImageMediaIO"}
         if self.media_io_kwargs:  # (absent, the fingerprints of image-only deployments stay as they were)
             settings["media_io_kwargs"] = self.media_io_kwargs
+        # vLLM's other model settings that shape features (revision, hf_overrides, tokenizer, ...): none
+        # by default, so the fingerprints of deployments without them stay as they were.
+        settings |= {name: value for name, value in feature_settings(self.settings).items() if name not in settings}
         parts = [json.dumps(settings, sort_keys=True).encode()]
         for name in ("config.json", "preprocessor_config.json", "processor_config.json",
                      "video_preprocessor_config.json"):
             if (root / name).is_file():
                 parts.append((root / name).read_bytes())
+        if root.is_dir() and any(root.glob("*.py")):  # code the checkpoint ships (trust_remote_code)
+            parts.append(b"code:" + folder_digest(root, "*.py").encode())
         if not (root / "config.json").is_file():  # a hub id: the resolved config instead
             parts.append(self.vllm_config.model_config.hf_config.to_json_string().encode())
         return parts

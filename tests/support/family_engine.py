@@ -1,7 +1,7 @@
 """One family's image path against one vLLM engine, in a process of its own (a cheaper
 fidelity check than a whole app and a `vllm serve` per family; tests/test_family_engines.py).
 
-    python -m tests.support.family_engine CHECKPOINT DTYPE     # prints one JSON line
+    python -m tests.support.family_engine CHECKPOINT DTYPE [ENGINE_ARGS_JSON]    # prints one JSON line
 
 Iris's VisionModel (vLLM's processor and model class, encoder-only) computes the features of
 the test images and says how they reach the decoder; then vLLM's engine (in this process, as
@@ -27,7 +27,8 @@ CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall
 MAX_TOKENS = 12
 
 
-def main(checkpoint: str, dtype: str) -> dict:
+def main(checkpoint: str, dtype: str, settings: dict | None = None) -> dict:
+    """`settings`: the checkpoint's engine_args (model settings, e.g. trust_remote_code), for every stage."""
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
@@ -38,7 +39,8 @@ def main(checkpoint: str, dtype: str) -> dict:
     from pipeline.model.vision_model import VisionModel
     from tests.support.images import REFERENCE_TEXT, png_bytes
 
-    vision = VisionModel(checkpoint, dtype, max_items={"image": 2, "video": 0})
+    settings = settings or {}
+    vision = VisionModel(checkpoint, dtype, max_items={"image": 2, "video": 0}, settings=settings)
     vision.load_encoder()
     form = vision.forms["image"]
     features = {}
@@ -58,15 +60,17 @@ def main(checkpoint: str, dtype: str) -> dict:
                  } if form.delivery == CONNECTOR else {}
     llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
               enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
-              enable_mm_embeds=True, disable_log_stats=False, **connector)
-    processor = AutoProcessor.from_pretrained(checkpoint)
+              enable_mm_embeds=True, disable_log_stats=False, **connector, **settings)
+    # (A checkpoint without a processor of its own, whose processor vLLM brings: its tokenizer.)
+    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=settings.get("trust_remote_code", False))
+    tokenizer = getattr(processor, "tokenizer", processor)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
 
     def answer(images: list[str], uuids: list[str], iris: bool) -> dict:
         messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
                      + [{"type": "text", "text": REFERENCE_TEXT}]}]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        token_ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         mine = [features[n] for n in images]
         if not iris:
             data = [vision.load_image(png_bytes(n)) for n in images]
@@ -113,4 +117,5 @@ def main(checkpoint: str, dtype: str) -> dict:
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its encoder cache can be read
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print(json.dumps(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)),
+          flush=True)

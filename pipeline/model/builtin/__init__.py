@@ -32,7 +32,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.model.builtin import (
@@ -40,6 +40,7 @@ from pipeline.model.builtin import (
     glm4v,
     idefics3,
     internvl,
+    internvl_chat,
     llama4,
     llava,
     llava_next,
@@ -66,6 +67,9 @@ class Builtin:
     # checkpoint (tests/test_families.py), or "engine", Iris's image path against vLLM's own
     # engine, one process per family (tests/test_family_engines.py: what CI has time for).
     tested: str = "app"
+    # engine_args its checkpoints need, as any checkpoint of their format does (trust_remote_code for
+    # checkpoint code): what the tests and the family table serve it with.
+    engine_args: dict = field(default_factory=dict)
 
 
 # Spec: text hidden, layers, heads, kv heads; vision hidden, layers, heads; image side, patch; dtype.
@@ -108,6 +112,9 @@ BUILDERS = {
         # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
         "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
     }, internvl.build),
+    "internvl_chat": Builtin("InternVL (original format)", {
+        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+    }, internvl_chat.build, tested="engine", engine_args={"trust_remote_code": True}),
     "minicpmv4_6": Builtin("MiniCPM-V 4.6", {
         # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
         # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
