@@ -12,7 +12,10 @@ replica, the features are computed once:
   `lock_ttl_s` in case the replica dies); a caller that finds the lock
   taken polls L2 until the value appears, and computes itself when
   `single_flight_wait_s` runs out (counted) or when the lock disappears
-  without a value (the holder failed; the waiter takes the lock over).
+  without a value (the holder failed; the waiter takes the lock over);
+- a caller that computes in turns (`admit`, the encoder's fair gate) takes
+  its locks once its turn has come, so a lock stands for a computation that
+  is running, not for a place in a queue that may outlast the wait.
 
 A failed or cancelled computation makes the callers that joined it compute
 for themselves, so each request only ever sees its own compute's errors.
@@ -31,7 +34,6 @@ however often it is sent, and a hit costs no extra round trip.
 Never raises because of L2 or because of what it holds: a value that fails to decode or to
 pass the check, for whatever reason, is counted (`corrupt` / `rejected`), deleted and a miss.
 When L2 is unreachable the cache serves L1 only
-(see store.py, redis_tier.py). when it is unreachable the cache serves L1 only
 (see store.py, redis_tier.py). Everything runs in one asyncio event loop;
 nothing here is thread-safe. Returned Features are shared with the cache: treat
 them as read-only (see codec.py).
@@ -42,10 +44,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
-from cache_service.features import Features
-from cache_service.codec import CorruptValue, decode, encode
+from cache_service.codec import decode, encode
 from cache_service.config import CacheConfig
+from cache_service.features import Features
 from cache_service.l1 import L1Cache
 from cache_service.single_flight import Compute, ComputeResult, SingleFlight
 from cache_service.stats import CacheStats
@@ -84,9 +88,20 @@ class FeatureCache:
         snapshot["l1_entries"] = len(self._l1)
         return snapshot
 
-    async def close(self) -> None:
-        await asyncio.gather(*self._refreshes, return_exceptions=True)
-        await self._single_flight.close()  # background writes and lock releases first
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Finish the background work (write-behinds and their lock releases, TTL refreshes), then close L2.
+        `timeout_s` bounds the wait (a replica shutting down): what is left then is cancelled, logged and
+        counted in `writes_dropped`; the locks it held expire after `lock_ttl_s`."""
+        background = [*self._refreshes, *self._single_flight.background]
+        if background:
+            _, late = await asyncio.wait(background, timeout=timeout_s)
+            if late:
+                self.counters.writes_dropped += len(late)
+                logger.warning("closing the feature cache: %d background writes unfinished after %.1f s, dropped",
+                               len(late), timeout_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
         if self.l2 is not None:
             await self.l2.close()
 
@@ -235,7 +250,8 @@ class FeatureCache:
     # -- single-flight --------------------------------------------------------
 
     async def get_or_compute_many(
-        self, keys: list[str], compute: Compute, write_behind: bool = False
+        self, keys: list[str], compute: Compute, write_behind: bool = False,
+        admit: Callable[[], AbstractAsyncContextManager] | None = None,
     ) -> list[ComputeResult]:
         """Features for every key, computing the missing ones once cluster-wide.
 
@@ -244,7 +260,13 @@ class FeatureCache:
         called at most twice: once for the keys this call locked, and again for
         keys whose wait on another caller timed out or whose computing caller
         failed. Its exceptions propagate to the caller. With `write_behind`,
-        computed results have shared=False: their L2 write is still running.
+        computed results have shared=False: their L2 write is still running
+        (`ComputeResult.stored` says when it is done).
+
+        `admit()`: the caller's turn to compute (the encoder's fair gate), entered after the lookup
+        missed keys that no other call in this process is computing, and held until they are done.
+        The keys' cluster-wide locks are taken inside it, so they cover the computation only, never
+        the wait for a turn: another replica's caller then waits for a computation that is running.
         """
         results: list[ComputeResult | None] = [None] * len(keys)
         positions: dict[str, list[int]] = {}  # key -> its indexes in keys, for misses
@@ -255,6 +277,17 @@ class FeatureCache:
                 positions.setdefault(keys[i], []).append(i)
         if not positions:
             return results  # type: ignore[return-value]
-
-        await self._single_flight.run(positions, results, compute, write_behind)
+        if admit is None or all(key in self._single_flight.flights for key in positions):
+            await self._single_flight.run(positions, results, compute, write_behind)
+            return results  # type: ignore[return-value]
+        async with admit():
+            # Computed in this process while we waited for our turn? (Another replica's value shows
+            # when the lock is claimed.)
+            for key in list(positions):
+                entry = self._l1.get(key)
+                if entry is not None:
+                    for i in positions.pop(key):
+                        results[i] = ComputeResult(entry.features, computed=False, shared=entry.in_l2)
+            if positions:
+                await self._single_flight.run(positions, results, compute, write_behind)
         return results  # type: ignore[return-value]

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.features import Features
 from cache_service.config import CacheConfig
+from cache_service.features import Features
 from cache_service.stats import CacheStats
 from cache_service.store import FeatureStore
 
@@ -30,6 +30,8 @@ class ComputeResult:
     features: Features
     computed: bool  # computed by this call (not found in a tier, not computed by another caller)
     shared: bool  # present in L2, visible to other replicas
+    # With write_behind, for a value computed by this call: resolves to whether its L2 write succeeded.
+    stored: asyncio.Future[bool] | None = None
 
 
 class Abandoned(Exception):
@@ -75,14 +77,15 @@ class SingleFlight:
             flight.finish()
 
     def in_background(self, work: Awaitable) -> None:
-        """Run `work` in the background, strongly referenced until done (close() awaits it)."""
+        """Run `work` in the background, strongly referenced until done (FeatureCache.close awaits it)."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def close(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+    @property
+    def background(self) -> set[asyncio.Task]:
+        """Write-behinds and lock releases still running."""
+        return self._background
 
 
 class Flight:
@@ -155,10 +158,11 @@ class Flight:
             self.locked.clear()
 
     def _resolve(
-        self, key: str, features: Features, computed: bool, shared: bool, for_joiners: Features | None = None
+        self, key: str, features: Features, computed: bool, shared: bool, for_joiners: Features | None = None,
+        stored: asyncio.Future[bool] | None = None,
     ) -> None:
         for i in self.positions[key]:
-            self.results[i] = ComputeResult(features, computed=computed, shared=shared)
+            self.results[i] = ComputeResult(features, computed=computed, shared=shared, stored=stored)
         future = self.owned.get(key)
         if future is not None and not future.done():
             future.set_result((features if for_joiners is None else for_joiners, shared))
@@ -202,7 +206,8 @@ class Flight:
         self.stats.compute_calls += 1
         features = await self.compute(indexes)
         if not isinstance(features, list) or len(features) != len(indexes):
-            raise ValueError(f"compute returned {type(features).__name__} for {len(indexes)} indexes; need a list of that length")
+            raise ValueError(f"compute returned {type(features).__name__} for {len(indexes)} indexes; "
+                             "need a list of that length")
         if not all(isinstance(f, Features) for f in features):
             raise TypeError("compute must return Features")
         self.stats.computations += len(keys)
@@ -214,9 +219,11 @@ class Flight:
                 self.tiers.remember(key, host)  # local readers hit at once
             locked = [k for k in keys if k in self.locked]
             self.locked.difference_update(locked)  # the background task releases them
-            self.single_flight.in_background(self._store_then_release(list(zip(keys, on_host)), locked))
-            for key, f, host in zip(keys, features, on_host):
-                self._resolve(key, f, computed=True, shared=False, for_joiners=host)
+            loop = asyncio.get_running_loop()
+            stored = [loop.create_future() for _ in keys]
+            self.single_flight.in_background(self._store_then_release(list(zip(keys, on_host)), locked, stored))
+            for key, f, host, written in zip(keys, features, on_host, stored):
+                self._resolve(key, f, computed=True, shared=False, for_joiners=host, stored=written)
             return
         # Write the values before releasing the locks: a waiter that sees the
         # lock gone without a value takes over and computes again.
@@ -225,11 +232,19 @@ class Flight:
             self._resolve(key, f, computed=True, shared=in_l2, for_joiners=host)
         await self._release([k for k in keys if k in self.locked])
 
-    async def _store_then_release(self, items: list[tuple[str, Features]], locked: list[str]) -> None:
+    async def _store_then_release(self, items: list[tuple[str, Features]], locked: list[str],
+                                  stored: list[asyncio.Future[bool]]) -> None:
+        written, cancelled = [False] * len(items), False
         try:
-            await self.tiers.put_many(items)
+            written = await self.tiers.put_many(items)
+        except asyncio.CancelledError:
+            cancelled = True  # the cache is closing: no more Redis calls; the locks expire after lock_ttl_s
+            raise
         finally:
-            if locked:
+            for future, ok in zip(stored, written):
+                if not future.done():
+                    future.set_result(ok)
+            if locked and not cancelled:
                 await self.store.release_many(locked, self.token)
 
     async def _wait_for_other_replicas(self, keys: list[str]) -> list[str]:

@@ -31,6 +31,7 @@ class CacheStats:
     compute_calls: int = 0  # calls of the compute callback
     computations: int = 0  # keys computed by this process
     ttl_refreshes: int = 0  # keys whose L2 TTL a hit reset (sliding TTL, at most once a minute per key)
+    writes_dropped: int = 0  # background writes still running when close(timeout_s) gave up; cancelled
 
     def snapshot(self) -> dict[str, int | float]:
         return asdict(self)

@@ -279,7 +279,7 @@ class MediaFeatures:
         # the pixels go through the object store, and Preprocess is free once they are made.
         pixels = context.run(self.preprocess.pixels.remote, job)
         self.metrics.preprocess_called()
-        encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant, job.trace)
+        encoded = context.run(self.encoder.encode.remote, job.key, pixels, job.tenant, job.trace, job.name)
         submitted = loop.create_task(encoded._to_object_ref(), context=context)
         return Encoding(submitted, loop.create_task(self._finish(job, pixels, encoded, submitted), context=context))
 

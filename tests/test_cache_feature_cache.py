@@ -1,14 +1,19 @@
 """FeatureCache against the real Redis at 127.0.0.1:6379: tiers, isolation, TTL, corruption."""
 
+import asyncio
+import signal
+import time
+
 import pytest
+import redis
 import torch
 
-from cache_service.features import Features
 from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 from cache_service.keys import content_key, uuid_key
-from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features
+from tests.cache_fixtures import FINGERPRINT, assert_same_features, make_features, private_redis
 
 
 async def test_round_trip_through_redis(make_cache, namespace):
@@ -234,3 +239,41 @@ async def test_hits_slide_the_ttl_at_most_once_per_refresh_interval(make_cache, 
     absent = content_key(FINGERPRINT, b"never written", namespace)
     assert await reader.contains_many([absent]) == [False]
     assert raw_redis.exists(absent) == 0  # PEXPIRE never creates a key
+
+
+async def test_close_flushes_write_behind_within_its_timeout(make_cache, namespace, raw_redis):
+    """A replica shutting down: close(timeout_s) finishes the Redis writes still running behind
+    responses, and gives up on what a stuck Redis does not take in time."""
+    key = content_key(FINGERPRINT, b"pending at shutdown", namespace)
+    with private_redis("--enable-debug-command", "yes") as slow:
+        cache = make_cache(redis_url=slow.url, redis_timeout_s=5)
+        assert await cache.ping()
+        sleeping = asyncio.ensure_future(asyncio.to_thread(
+            lambda: redis.Redis.from_url(slow.url).execute_command("DEBUG", "SLEEP", "0.5")))
+        await asyncio.sleep(0.1)  # Redis busy: the write waits for it
+        [result] = await cache.get_or_compute_many([key], _computed, write_behind=True)
+        assert not result.stored.done()
+        await cache.close(timeout_s=5)
+        assert redis.Redis.from_url(slow.url).exists(key)
+        await sleeping
+
+        stuck = make_cache(redis_url=slow.url, redis_timeout_s=5)
+        assert await stuck.ping()
+
+        async def computed_as_redis_freezes(indexes):
+            slow.proc.send_signal(signal.SIGSTOP)  # after the lookup and the lock: the write hangs
+            return await _computed(indexes)
+
+        try:
+            [result] = await stuck.get_or_compute_many([key + "2"], computed_as_redis_freezes, write_behind=True)
+            started = time.monotonic()
+            await stuck.close(timeout_s=0.3)
+            assert time.monotonic() - started < 1.5
+        finally:
+            slow.proc.send_signal(signal.SIGCONT)
+        assert stuck.stats()["writes_dropped"] == 1
+        assert result.stored.result() is False
+
+
+async def _computed(indexes):
+    return [make_features(7) for _ in indexes]

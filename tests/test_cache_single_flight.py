@@ -1,6 +1,7 @@
 """Single-flight: concurrent misses on one key compute once, across processes' caches too."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -144,3 +145,72 @@ async def test_write_behind_returns_before_redis_and_replicas_still_compute_once
     for c in caches:
         await c.close()  # waits for the background write and lock release
     assert raw_redis.exists(key) and not raw_redis.exists(key + ":lock")
+
+
+class Backlog:
+    """A replica's queue of work (the encoder's fair gate) as `admit`: one caller at a time, and the
+    test can hold the turn (`hold`) for a while, as other items ahead in the queue would."""
+
+    def __init__(self):
+        self.turn = asyncio.Semaphore(1)
+        self.entered = 0
+
+    @contextlib.asynccontextmanager
+    async def admit(self):
+        async with self.turn:
+            self.entered += 1
+            yield
+
+    async def hold(self, seconds: float) -> None:
+        async with self.turn:
+            await asyncio.sleep(seconds)
+
+
+async def test_lock_covers_the_computation_not_the_queue_before_it(make_cache, namespace, raw_redis):
+    """A replica with a backlog longer than the single-flight wait and the lock TTL: it takes the key's
+    lock only when its turn comes, so another replica computes meanwhile and the first finds the value."""
+    key = content_key(FINGERPRINT, b"queued behind a backlog", namespace)
+    settings = {"single_flight_wait_s": 0.3, "single_flight_poll_s": 0.02, "lock_ttl_s": 0.5}
+    busy, idle = make_cache(**settings), make_cache(**settings)
+    backlog = Backlog()
+    holding = asyncio.ensure_future(backlog.hold(1.2))  # longer than the wait and the lock's TTL
+    await asyncio.sleep(0)
+    compute = CountingCompute(delay=0.1)
+    queued = asyncio.ensure_future(busy.get_or_compute_many([key], compute, admit=backlog.admit))
+    await asyncio.sleep(0.05)
+    assert not raw_redis.exists(key + ":lock")  # waiting for its turn holds no lock
+    [computed] = await idle.get_or_compute_many([key], compute, admit=Backlog().admit)
+    [found] = await queued
+    await holding
+    assert len(compute.calls) == 1
+    assert computed.computed and not found.computed and found.shared
+    assert_same_features(computed.features, found.features)
+    assert busy.stats()["single_flight_wait_timeouts"] == idle.stats()["single_flight_wait_timeouts"] == 0
+
+
+async def test_no_turn_taken_to_join_a_computation_in_this_process(make_cache, namespace):
+    key = content_key(FINGERPRINT, b"joined", namespace)
+    cache = make_cache()
+    backlog = Backlog()
+    compute = CountingCompute(delay=0.3)
+    first = asyncio.ensure_future(cache.get_or_compute_many([key], compute, admit=backlog.admit))
+    while not compute.calls:  # until it computes, in its turn
+        await asyncio.sleep(0.01)
+    holding = asyncio.ensure_future(backlog.hold(2.0))  # the queue is long now
+    started = time.monotonic()
+    [joined] = await cache.get_or_compute_many([key], compute, admit=backlog.admit)
+    assert time.monotonic() - started < 1.0  # the computation's end, not the queue's
+    await first
+    assert len(compute.calls) == 1 and backlog.entered == 1 and not joined.computed
+    holding.cancel()
+
+
+async def test_write_behind_says_when_the_value_is_stored(make_cache, namespace, raw_redis):
+    key = content_key(FINGERPRINT, b"stored later", namespace)
+    [result] = await make_cache().get_or_compute_many([key], CountingCompute(delay=0.01), write_behind=True)
+    assert result.computed and not result.shared
+    assert await asyncio.wait_for(result.stored, 5) is True
+    assert raw_redis.exists(key)
+    unreachable = make_cache(redis_url="redis://127.0.0.1:1")
+    [result] = await unreachable.get_or_compute_many([key + "x"], CountingCompute(delay=0.01), write_behind=True)
+    assert await asyncio.wait_for(result.stored, 5) is False
