@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.config import CacheConfig
+from deployments.placement import DecodePlacement, Placement, plan
 from deployments.tracing import TracingConfig
 from deployments.vllm_args import check_engine_args
 from pipeline.media.limits import MediaLimits
@@ -95,6 +96,11 @@ class IrisConfig(BaseModel):
         "response_role, ...), checked by vLLM's own parser at start-up. Iris's own settings (model, "
         "served_model_name, dtype, media limits, auth, the server's address) are refused here.",
     )
+    decode_placement: DecodePlacement = Field(
+        default_factory=DecodePlacement,
+        description="Where an LLMDecode replica's vLLM ranks run when engine_args ask for several "
+        "(tensor_parallel_size × pipeline_parallel_size): each replica holds a placement group, one bundle per rank "
+        "(docs/deployment.md).")
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
         description="API keys: with any configured, every request but /health needs one (401 otherwise), "
@@ -141,6 +147,15 @@ class IrisConfig(BaseModel):
     def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         check_engine_args(value)  # as `vllm serve`'s parser would, less what Iris owns
         return value
+
+    @model_validator(mode="after")
+    def _check_placement(self) -> IrisConfig:
+        self.decode_ranks()  # a parallel setting no placement can run is refused at build time
+        return self
+
+    def decode_ranks(self) -> Placement:
+        """Where one LLMDecode replica's vLLM ranks run (deployments/placement.py)."""
+        return plan(self.engine_args, self.decode_placement)
 
     @property
     def model_name(self) -> str:

@@ -27,7 +27,9 @@ CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall
 MAX_TOKENS = 12
 
 
-def main(checkpoint: str, dtype: str) -> dict:
+def main(checkpoint: str, dtype: str, parallel: dict | None = None) -> dict:
+    """`parallel`: vLLM's parallel settings for the engine (tensor_parallel_size,
+    pipeline_parallel_size, distributed_executor_backend), as LLMDecode passes them."""
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
@@ -58,7 +60,7 @@ def main(checkpoint: str, dtype: str) -> dict:
                  } if form.delivery == CONNECTOR else {}
     llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
               enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
-              enable_mm_embeds=True, disable_log_stats=False, **connector)
+              enable_mm_embeds=True, disable_log_stats=False, **connector, **(parallel or {}))
     processor = AutoProcessor.from_pretrained(checkpoint)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
 
@@ -95,7 +97,8 @@ def main(checkpoint: str, dtype: str) -> dict:
             "engine": answer(images, [f"engine-{case}-{i}" for i in range(len(images))], iris=False),
             "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True)}
     for name, uuid in (("square", "engine-one image-0"), ("wide", "engine-another size-0")):
-        (engine,) = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())
+        # One tensor per worker (each rank runs the tower); the first rank's.
+        engine = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())[0]
         ours = features[name].tensors[form.values_field]
         result["features"][name] = {"shape": [list(ours.shape), list(engine.shape)],
                                     "dtype": [str(ours.dtype), str(engine.dtype)],
@@ -113,4 +116,5 @@ def main(checkpoint: str, dtype: str) -> dict:
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its encoder cache can be read
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print(json.dumps(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)),
+          flush=True)
