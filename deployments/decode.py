@@ -453,10 +453,6 @@ def _bind_engine_cores(ranks: int = 1) -> None:
     try:
         context = serve.get_replica_context()
     except RayServeException:  # not in a replica
-        context = None
-    if context is None:
-        if ranks > 1:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_binds(list(os.sched_getaffinity(0)), ranks)
         return
     autoscaling = getattr(getattr(context, "_deployment_config", None), "autoscaling_config", None)
     engines = autoscaling.max_replicas if autoscaling else (context.world_size or 1)

@@ -12,7 +12,6 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.config import IrisConfig
-from deployments.cpu_binding import rank_binds
 from deployments.placement import DecodePlacement, group_problem, options_problem, plan
 
 GPU, CPU = DecodePlacement(), DecodePlacement(device="CPU")
@@ -143,13 +142,3 @@ def test_builder_options_are_what_serve_accepts(tmp_path):
                                 "deployments": [{"name": "LLMDecode", **plan({"tensor_parallel_size": 2}, GPU)
                                                  .serve_options()}]}]}
     ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(schema)))
-
-
-@pytest.mark.parametrize(("cores", "ranks", "bind"), [
-    ([0, 1], 2, "0|1"),  # the 2-core machine: one core per rank, none left in reserve
-    ([0, 1, 2, 3, 4], 2, "0,1|2,3"),  # the last core left to the other processes, as vLLM's default
-    ([0], 2, "0|0"),
-    ([4, 5, 6, 7], 4, "4|5|6|7"),
-])
-def test_cpu_ranks_get_cores_of_their_own(cores, ranks, bind):
-    assert rank_binds(cores, ranks) == bind

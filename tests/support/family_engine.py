@@ -107,8 +107,8 @@ def main(checkpoint: str, dtype: str, parallel: dict | None = None) -> dict:
     url = "data:image/png;base64," + base64.b64encode(png_bytes("square")).decode()
     chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": REFERENCE_TEXT}]}]
-    result["chat"] = list(llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
-                          .outputs[0].token_ids)
+    (chat_output,) = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs
+    result["chat"], result["chat_text"] = list(chat_output.token_ids), chat_output.text
     staging.close()
     return result
 
