@@ -128,17 +128,20 @@ def test_serve_config_options_that_override_the_builders():
     assert "num_gpus: 2" in options_problem(mp, {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1}})
 
 
-def test_builder_options_are_what_serve_accepts(tmp_path):
-    """The options the builder sets pass Serve's own validation of a deployment's placement group."""
-    from ray.serve._private.config import ReplicaConfig
+def test_builder_options_are_what_serve_accepts():
+    """The options the builder gives LLMDecode pass Serve's own checks of a deployment's placement group
+    (the replica actor within the first bundle, a known strategy), and a serve config that spells them."""
+    from deployments.decode import LLMDecode
 
     for engine_args, config in [({"tensor_parallel_size": 2}, GPU), ({"tensor_parallel_size": 2}, CPU),
-                                ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, GPU)]:
+                                ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, GPU),
+                                ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, GPU)]:
         options = plan(engine_args, config).serve_options()
-        ReplicaConfig.create(lambda: None, ray_actor_options=options["ray_actor_options"],
-                             placement_group_bundles=options["placement_group_bundles"],
-                             placement_group_strategy=options["placement_group_strategy"])
+        LLMDecode.options(**options)
+    with pytest.raises(ValueError, match="first bundle"):  # what Serve itself refuses
+        LLMDecode.options(ray_actor_options={"num_cpus": 4}, placement_group_bundles=[{"CPU": 1}])
     schema = {"applications": [{"name": "iris", "import_path": "deployments.app:build_app",
                                 "deployments": [{"name": "LLMDecode", **plan({"tensor_parallel_size": 2}, GPU)
                                                  .serve_options()}]}]}
     ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(schema)))
+
