@@ -14,8 +14,8 @@ pipeline_parallel_size 2, one core per rank, on the tiny LLaVA.
 vLLM's Ray executor does not run on its CPU backend (docs/deployment.md: On CPU nodes), so
 pipeline stages across the two test nodes are not run here; deployments/placement.py refuses them
 on CPU and tests/test_placement.py covers the groups without an engine.
-Cost on the 2-core machine (2026-12-05, shared with other work): the TP=2 engine ~35 s, the PP=2 failure
-~31 s, the TP=2 app ~65 s to start and ~33 s to stop: about 2.8 min for the module.
+Cost on the 2-core machine (2026-12-05, shared with other work): 133 s for the module, of which the TP=2
+engine 26 s, the PP=2 failure 22 s, the TP=2 app 51 s to start and 33 s to stop.
 """
 
 from __future__ import annotations
