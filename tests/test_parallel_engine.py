@@ -4,7 +4,9 @@ pipeline_parallel_size 2, one core per rank, on the tiny LLaVA.
 - Engine level (tests/support/family_engine.py, one process per setting): Iris's features, fed as
   LLMDecode feeds them, give the greedy tokens of the engine running its own tower under the same
   parallel setting (what `vllm serve --tensor-parallel-size 2` computes), for one image, another
-  size and two images; and the chat route answers as the engine does. Pipeline parallelism fails
+  size and two images, with the features as embeddings (LLaVA) and through Iris's EC connector
+  (Idefics3: each image loaded once, the tower never run); and the chat route answers as the engine
+  does. Pipeline parallelism fails
   inside vLLM's CPU engine on the first request (PP_FAILURE): that failure is what is checked.
 - App level: an Iris app whose decode replica has tensor_parallel_size 2 (its placement group of
   CPU bundles from deployments/placement.py, vLLM's multiprocessing executor, a core per rank)
@@ -14,8 +16,8 @@ pipeline_parallel_size 2, one core per rank, on the tiny LLaVA.
 vLLM's Ray executor does not run on its CPU backend (docs/deployment.md: On CPU nodes), so
 pipeline stages across the two test nodes are not run here; deployments/placement.py refuses them
 on CPU and tests/test_placement.py covers the groups without an engine.
-Cost on the 2-core machine (2026-12-05, shared with other work): 133 s for the module, of which the TP=2
-engine 26 s, the PP=2 failure 22 s, the TP=2 app 51 s to start and 33 s to stop.
+Cost on the 2-core machine (2026-12-05, shared with other work): 168 s for the module, about 25 s per
+engine (LLaVA TP=2, Idefics3 TP=2, the PP=2 failure), the TP=2 app ~50 s to start and ~33 s to stop.
 """
 
 from __future__ import annotations
@@ -30,22 +32,28 @@ import httpx
 import pytest
 
 from deployments.cpu_binding import rank_binds
+from pipeline.model.builtin import BUILDERS
+from pipeline.model.embedding_form import CONNECTOR
 from tests.support.family_engine import CASES
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
+from tests.test_families import FEATURE_RTOL
 
 TIMEOUT_S = 600
-PARALLEL = {"tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-            "pp2": {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}}
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+# setting -> (family, vLLM's parallel settings): LLaVA's features go in as embeddings, Idefics3's through
+# Iris's EC connector (whose scheduler side hands them to every rank in the step's metadata).
+PARALLEL = {"tp2": ("llava", TP2), "tp2-connector": ("idefics3", TP2),
+            "pp2": ("llava", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"})}
 # vLLM 0.32's CPU backend fails pipeline parallelism on the first request: its scheduler finds no
 # output for the request (vllm/v1/core/sched/scheduler.py, update_from_output,
 # `model_runner_output.req_id_to_index[req_id]` -> KeyError), from step_with_batch_queue.
 PP_FAILURE = "req_id_to_index[req_id]"
 
 
-def _engine(checkpoint: str, parallel: dict) -> dict:
+def _engine(checkpoint: str, dtype: str, parallel: dict) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": rank_binds(list(os.sched_getaffinity(0)), 2)}  # as LLMDecode sets it
-    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", checkpoint, "float32",
+    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", checkpoint, dtype,
                           json.dumps(parallel)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     # The JSON line; vLLM's workers log to stdout as they shut down.
@@ -61,7 +69,8 @@ def engines(tiny_checkpoint):
     def get(setting: str) -> dict:
         if setting not in results:
             try:
-                results[setting] = _engine(tiny_checkpoint("llava"), PARALLEL[setting])
+                family, parallel = PARALLEL[setting]
+                results[setting] = _engine(tiny_checkpoint(family), BUILDERS[family].specs["tiny"].dtype, parallel)
             except (AssertionError, subprocess.TimeoutExpired, ValueError) as err:  # once, not once per test
                 results[setting] = AssertionError(f"{setting}: {err}")
         if isinstance(results[setting], AssertionError):
@@ -71,16 +80,26 @@ def engines(tiny_checkpoint):
     return get
 
 
+@pytest.mark.parametrize("setting", ["tp2", "tp2-connector"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_iris_features_give_the_engines_tokens_over_two_ranks(engines, case):
-    result = engines("tp2")["cases"][case]
-    assert result["iris"]["tokens"] == result["engine"]["tokens"], case
-    assert len(result["engine"]["tokens"]) > 0
+def test_iris_features_give_the_engines_tokens_over_two_ranks(engines, setting, case):
+    result = engines(setting)
+    if case not in result["cases"]:  # more images than vLLM takes in one prompt for this model
+        assert result["image_limit"] < len(CASES[case]), (setting, case)
+        return
+    engine, iris = result["cases"][case]["engine"], result["cases"][case]["iris"]
+    assert iris["tokens"] == engine["tokens"] and len(engine["tokens"]) > 0, (setting, case)
+    if result["delivery"] == CONNECTOR:  # every image from the connector, once; the engine's tower never ran
+        assert (iris["loaded"], iris["encoded"]) == (len(set(CASES[case])), 0), (case, iris)
+        assert engine["encoded"] > 0 and engine["loaded"] == 0, (case, engine)
+    for f in result["features"].values():  # Iris's features are rank 0's encoder output
+        assert f["scale"] > 0 and f["max_diff"] <= FEATURE_RTOL * f["scale"], (setting, f)
 
 
-def test_the_chat_route_answers_as_the_engine_over_two_ranks(engines):
-    result = engines("tp2")
-    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][:len(result["chat"])]
+@pytest.mark.parametrize("setting", ["tp2", "tp2-connector"])
+def test_the_chat_route_answers_as_the_engine_over_two_ranks(engines, setting):
+    result = engines(setting)
+    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][:len(result["chat"])], setting
 
 
 def test_pipeline_parallelism_still_fails_in_vllms_cpu_scheduler(engines):
