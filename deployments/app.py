@@ -43,7 +43,8 @@ def iris_application(config: IrisConfig, **ingress_options) -> Application:
     drain = {"graceful_shutdown_timeout_s": config.request_timeout_s + SHUTDOWN_MARGIN_S}
     encoder = VisionEncoder.bind(config)
     preprocess = Preprocess.bind(config)
-    decode = LLMDecode.options(**drain).bind(config)
+    # Several vLLM ranks per replica: a placement group per replica (deployments/placement.py).
+    decode = LLMDecode.options(**drain, **config.decode_ranks().serve_options()).bind(config)
     return Ingress.options(**{**drain, **ingress_options}).bind(config, preprocess, encoder, decode)
 
 

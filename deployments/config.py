@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.config import CacheConfig
+from deployments.placement import DecodePlacement, Placement, plan
 from deployments.tracing import TracingConfig
 from deployments.vllm_args import check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
@@ -97,6 +98,11 @@ class IrisConfig(BaseModel):
         "LoadConfig take) is what Preprocess and the VisionEncoder load too. Iris's own settings (model, "
         "served_model_name, dtype, media limits, auth, the server's address) are refused here.",
     )
+    decode_placement: DecodePlacement = Field(
+        default_factory=DecodePlacement,
+        description="Where an LLMDecode replica's vLLM ranks run when engine_args ask for several "
+        "(tensor_parallel_size × pipeline_parallel_size): each replica holds a placement group, one bundle per rank "
+        "(docs/deployment.md).")
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
         description="API keys: with any configured, every request but /health needs one (401 otherwise), "
@@ -159,6 +165,14 @@ class IrisConfig(BaseModel):
             raise ValueError(f"{self.model}'s checkpoint needs engine_args {missing}, as every checkpoint of its "
                              "format does (it ships code of its own, which every stage runs)")
         return self
+
+    def _check_placement(self) -> IrisConfig:
+        self.decode_ranks()  # a parallel setting no placement can run is refused at build time
+        return self
+
+    def decode_ranks(self) -> Placement:
+        """Where one LLMDecode replica's vLLM ranks run (deployments/placement.py)."""
+        return plan(self.engine_args, self.decode_placement)
 
     @property
     def model_name(self) -> str:

@@ -24,3 +24,14 @@ def omp_threads_bind(index: int, engines: int, core_ids: list[int], reserve: int
     per, extra = divmod(len(usable), engines)
     start = index * per + min(index, extra)
     return ",".join(map(str, usable[start:start + per + (index < extra)]))
+
+
+def rank_binds(core_ids: list[int], ranks: int, reserve: int = 1) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for one engine of `ranks` CPU workers (tensor or pipeline parallel) on
+    `core_ids`: one core list per rank, `|`-separated (vLLM's format), leaving the last `reserve` cores
+    to other processes where every rank still gets a core of its own. vLLM's default (`auto`) gives
+    rank N the N-th NUMA node, which a one-node machine does not have."""
+    ids = sorted(core_ids)
+    if reserve and len(ids) - reserve >= ranks:
+        ids = ids[:-reserve]
+    return "|".join(omp_threads_bind(rank, ranks, ids, reserve=0) for rank in range(ranks))

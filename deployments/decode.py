@@ -33,8 +33,9 @@ from cache_service.keys import fingerprint_of
 from cache_service.validation import ValueCheck
 from deployments import engine_usage, tracing
 from deployments.config import IrisConfig
-from deployments.cpu_binding import omp_threads_bind
+from deployments.cpu_binding import omp_threads_bind, rank_binds
 from deployments.metrics import CacheMetrics
+from deployments.placement import Placement, group_problem
 from deployments.stage_trace import mark
 from deployments.vllm_args import REQUIRED, serve_args
 from pipeline.api.stream_merge import merged_outputs
@@ -68,7 +69,7 @@ def engine_flags(config: IrisConfig, vision, connector: dict) -> dict:
     iris_flags = {"served_model_name": [config.model_name], "dtype": str(vision.dtype).removeprefix("torch."),
                   "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities}}
     return {**DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
-            **REQUIRED, **connector, **iris_flags}
+            **config.decode_ranks().engine_flags(), **REQUIRED, **connector, **iris_flags}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -82,7 +83,9 @@ class LLMDecode:
         from vllm.v1.metrics.loggers import PrometheusStatLogger
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        _bind_engine_cores()
+        ranks = config.decode_ranks()  # vLLM's ranks of this replica and the group Serve reserved for them
+        _check_group(ranks)
+        _bind_engine_cores(ranks.world_size)
         _model_in_engine_process()
         os.environ["VLLM_MEDIA_CONNECTOR"] = keyed_media.CONNECTOR_NAME  # media parts resolve to Iris's items
         tracing.setup(config.tracing, "decode")
@@ -442,11 +445,25 @@ def _model_in_engine_process() -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _bind_engine_cores() -> None:
+def _check_group(ranks: Placement) -> None:
+    """A replica of several vLLM ranks starts only in a placement group that holds them (Iris's, from
+    decode_placement, or serve_config.yaml's own placement_group_bundles): else it says why, not hangs."""
+    if ranks.bundles is None:
+        return
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    problem = group_problem(ranks, group.bundle_specs if group else None)
+    if problem:
+        raise RuntimeError(f"LLMDecode cannot place its {ranks.world_size} vLLM ranks: {problem}")
+
+
+def _bind_engine_cores(ranks: int = 1) -> None:
     """On a CPU-only node, give this replica's engine cores of its own: by default every
     engine on a node binds the same cores (deployments/cpu_binding.py). The replica's place
     is its local rank; the engines that may share the node, the deployment's replica
-    count (its autoscaling maximum). A VLLM_CPU_OMP_THREADS_BIND set by the user wins."""
+    count (its autoscaling maximum). With several vLLM ranks (tensor or pipeline parallel) the
+    replica's cores are split between them, one list per rank. A VLLM_CPU_OMP_THREADS_BIND set by the user wins."""
     if torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     try:
@@ -457,6 +474,9 @@ def _bind_engine_cores() -> None:
     engines = autoscaling.max_replicas if autoscaling else (context.world_size or 1)
     local_rank = context.rank.local_rank if context.rank is not None else 0
     bind = omp_threads_bind(local_rank, engines, list(os.sched_getaffinity(0)))
+    if ranks > 1:  # this replica's cores (all the node's when it is the only engine), one list per rank
+        cores = [int(c) for c in bind.split(",")] if bind else list(os.sched_getaffinity(0))
+        bind = rank_binds(cores, ranks, reserve=0 if bind else 1)
     if bind:
         logger.info("LLMDecode replica %d of %d on this node: vLLM's OpenMP threads on cores %s",
                     local_rank, engines, bind)

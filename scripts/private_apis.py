@@ -87,7 +87,8 @@ PRIVATE_APIS: tuple[Private, ...] = (
             "the Ray session's folder: its log folder (no secret may reach any log), and its Prometheus "
             "service-discovery file (/tmp/ray's link may point at another session on a shared machine)"),
     _ray_serve_env("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
-                   ("deployments/ingress.py", "serve_config.yaml", "cluster/rayservice.yaml"),
+                   ("deployments/ingress.py", "serve_config.yaml", "cluster/rayservice.yaml",
+                    "cluster/tensor_parallel/rayservice.yaml"),
                    "the ingress's FastAPI code on the replica's event loop (one thread hop less a request)"),
     _ray_serve_env("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", ("tests/conftest.py",),
                    "the dashboard test's healthy-replica panel: Serve's status gauges every second, not every "
@@ -105,7 +106,7 @@ PRIVATE_APIS: tuple[Private, ...] = (
         "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT")),
     _ray_serve_env("RAY_SERVE_ENABLE_HA_PROXY", (SYSTEMS, HARNESS_TEST, "tests/test_configs.py",
                                                  "cluster/rayservice.base.yaml", "cluster/rayservice.yaml",
-                                                 "serve_config.yaml"),
+                                                 "cluster/tensor_parallel/rayservice.yaml", "serve_config.yaml"),
                    "HAProxy in front of the ingress replicas (documented, but read by a private module)"),
     # --- vLLM ------------------------------------------------------------------------------
     Private("vllm", "vllm.distributed.ec_transfer.ec_connector.base.ECConnectorBase", "_get_connector_metadata",

@@ -7,17 +7,17 @@ import pytest
 import yaml
 
 from deployments.config import IrisConfig
+from deployments.placement import options_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = {"Ingress", "Preprocess", "VisionEncoder", "LLMDecode"}
 
 
 def _serve_configs() -> dict[str, dict]:
-    rayservice = yaml.safe_load((ROOT / "cluster/rayservice.yaml").read_text())
-    return {
-        "serve_config.yaml": yaml.safe_load((ROOT / "serve_config.yaml").read_text()),
-        "cluster/rayservice.yaml": yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
-    }
+    configs = {"serve_config.yaml": yaml.safe_load((ROOT / "serve_config.yaml").read_text())}
+    for name in ("cluster/rayservice.yaml", "cluster/tensor_parallel/rayservice.yaml"):
+        configs[name] = yaml.safe_load(yaml.safe_load((ROOT / name).read_text())["spec"]["serveConfigV2"])
+    return configs
 
 
 @pytest.mark.parametrize("name", list(_serve_configs()))
@@ -29,10 +29,13 @@ def test_shipped_serve_configs_are_valid(name):
         else ServeDeploySchema.parse_obj(config)
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
-    IrisConfig.model_validate(app.args)
+    iris = IrisConfig.model_validate(app.args)
     assert {d.name for d in app.deployments} == DEPLOYMENTS
     for d in app.deployments:  # each stage sized and scaled on its own
         assert d.ray_actor_options and d.max_ongoing_requests and d.autoscaling_config, d.name
+    # LLMDecode's options in the file replace the builder's: they hold its vLLM ranks (deployments/placement.py).
+    (decode,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "LLMDecode"]
+    assert options_problem(iris.decode_ranks(), decode) is None
 
 
 def test_default_serve_config_fits_two_cpus():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.cpu_binding import omp_threads_bind
+from deployments.cpu_binding import omp_threads_bind, rank_binds
 
 
 def test_one_engine_keeps_vllms_default():
@@ -49,6 +49,32 @@ def test_decode_replica_binds_by_its_local_rank(monkeypatch, context, expected):
     monkeypatch.setattr(decode.serve, "get_replica_context", lambda: context)
     decode._bind_engine_cores()
     assert environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
+
+
+@pytest.mark.parametrize("context, expected", [
+    (_context(0, max_replicas=1), "0,1|2,3"),    # alone: vLLM's cores (the last one left out), split per rank
+    (_context(1, max_replicas=2), "2|3"),        # its share of the node, split per rank
+])
+def test_a_replica_of_two_ranks_gives_each_rank_its_cores(monkeypatch, context, expected):
+    """tensor_parallel_size 2 on a CPU node: vLLM's format, one list per rank (`|`)."""
+    import deployments.decode as decode
+
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(decode.os, "environ", environ)
+    monkeypatch.setattr(decode.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(decode.serve, "get_replica_context", lambda: context)
+    decode._bind_engine_cores(2)
+    assert environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
+
+
+@pytest.mark.parametrize(("cores", "ranks", "bind"), [
+    ([0, 1], 2, "0|1"),  # the 2-core machine: one core per rank, none left in reserve
+    ([0, 1, 2, 3, 4], 2, "0,1|2,3"),  # the last core left to the other processes, as vLLM's default
+    ([0], 2, "0|0"),
+    ([4, 5, 6, 7], 4, "4|5|6|7"),
+])
+def test_ranks_get_cores_of_their_own(cores, ranks, bind):
+    assert rank_binds(cores, ranks) == bind
 
 
 def test_a_users_binding_wins(monkeypatch):

@@ -228,6 +228,90 @@ def test_gpu_deployments_fit_only_gpu_groups():
     assert _placement_problems(manifest) == []
 
 
+# ---- the tensor-parallel variant (cluster/tensor_parallel/): LLMDecode over 4 GPUs of an 8-GPU pod ----
+
+TENSOR_PARALLEL = ROOT / "cluster/tensor_parallel/rayservice.yaml"
+
+
+def _tp_manifest() -> dict:
+    return yaml.safe_load(TENSOR_PARALLEL.read_text())
+
+
+def test_tensor_parallel_manifest_is_generated_and_matches_the_crd(validator):
+    assert TENSOR_PARALLEL.read_text() == _load_generator().render(TENSOR_PARALLEL), \
+        "cluster/tensor_parallel/rayservice.yaml is stale: run python scripts/gen_rayservice.py"
+    manifest = _tp_manifest()
+    assert _errors(validator, manifest) == [] and _ignored_fields(manifest) == []
+    assert _groups(manifest)["gpu"]["GPU"] in (4, 8)
+
+
+def _replica_units(manifest) -> list[tuple[str, list[dict[str, float]]]]:
+    """Each replica at its deployment's max scale, as the bundles that must land on one pod: a decode
+    replica's placement group under PACK (its ranks on one pod: tensor parallelism across pods would
+    run its all-reduces over the network), any other replica's ray_actor_options."""
+    from deployments.config import IrisConfig
+
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    ranks = IrisConfig.model_validate(app["args"]).decode_ranks()
+    units = []
+    for d in app["deployments"]:
+        if d["name"] == "LLMDecode" and ranks.bundles is not None:
+            need = {r: sum(b.get(r, 0) for b in ranks.bundles) for r in ("CPU", "GPU")}
+        else:
+            need = {"CPU": d["ray_actor_options"].get("num_cpus", 1), "GPU": d["ray_actor_options"].get("num_gpus", 0)}
+        units += [(d["name"], need)] * d["autoscaling_config"]["max_replicas"]
+    return units
+
+
+def _pack_problems(manifest) -> list[str]:
+    """First-fit decreasing of every replica at max scale onto the pods the groups may grow to;
+    GPU work only on GPU pods."""
+    cluster = manifest["spec"]["rayClusterConfig"]
+    pods = [(g["groupName"], dict(_group_resources(g))) for g in cluster["workerGroupSpecs"]
+            for _ in range(g["maxReplicas"])]
+    problems = []
+    for name, need in sorted(_replica_units(manifest), key=lambda u: (-u[1]["GPU"], -u[1]["CPU"])):
+        pod = next((free for group, free in pods if (need["GPU"] > 0) == (free["GPU"] > 0 or group == "gpu")
+                    and all(free[r] >= need[r] for r in need)), None)
+        if pod is None:
+            problems.append(f"{name} {need} fits no pod left")
+            continue
+        for r in need:
+            pod[r] -= need[r]
+    return problems
+
+
+def test_tensor_parallel_decode_groups_fit_gpu_pods_at_max_scale():
+    from deployments.config import IrisConfig
+
+    manifest = _tp_manifest()
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    ranks = IrisConfig.model_validate(app["args"]).decode_ranks()
+    assert (ranks.world_size, ranks.executor, ranks.strategy) == (4, "ray", "PACK")
+    assert [b.get("GPU", 0) for b in ranks.bundles] == [1, 1, 1, 1]
+    assert _pack_problems(manifest) == []
+
+
+@pytest.mark.parametrize("engine_args, expected", [
+    ({"tensor_parallel_size": 16}, "LLMDecode"),  # a group larger than a pod
+    ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, "LLMDecode"),  # 4 groups of 8: one pod short
+])
+def test_tensor_parallel_groups_that_do_not_fit_are_caught(engine_args, expected):
+    manifest = copy.deepcopy(_tp_manifest())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    config["applications"][0]["args"]["engine_args"].update(engine_args)
+    manifest["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    assert any(expected in p for p in _pack_problems(manifest))
+
+
+def test_generator_refuses_decode_options_that_cannot_hold_the_ranks():
+    config = _load_generator().serve_config(ROOT / "cluster/tensor_parallel/serve_overrides.yaml")
+    (decode,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "LLMDecode"]
+    decode["ray_actor_options"]["num_gpus"] = 1  # the one-GPU manifest's: it would take rank 0's GPU
+    with pytest.raises(ValueError, match="num_gpus 1 with 4 ranks"):
+        _load_generator()._check_decode_placement(config)
+
+
 def test_broken_placement_is_caught():
     manifest = copy.deepcopy(_manifest())
     gpu = next(g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")

@@ -27,8 +27,16 @@ CASES = {"one image": ["square"], "another size": ["wide"], "two images": ["tall
 MAX_TOKENS = 12
 
 
-def main(checkpoint: str, dtype: str, settings: dict | None = None) -> dict:
-    """`settings`: the checkpoint's engine_args (model settings, e.g. trust_remote_code), for every stage."""
+# vLLM's parallel settings: the engine's alone, as LLMDecode passes them (the other stages run one rank).
+PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+
+
+def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
+    """`engine_args`: the checkpoint's model settings (e.g. trust_remote_code), for every stage, and
+    vLLM's parallel settings (tensor_parallel_size, ...), for the engine."""
+    engine_args = engine_args or {}
+    parallel = {k: v for k, v in engine_args.items() if k in PARALLEL}
+    settings = {k: v for k, v in engine_args.items() if k not in PARALLEL}
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
@@ -60,7 +68,7 @@ def main(checkpoint: str, dtype: str, settings: dict | None = None) -> dict:
                  } if form.delivery == CONNECTOR else {}
     llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
               enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
-              enable_mm_embeds=True, disable_log_stats=False, **connector, **settings)
+              enable_mm_embeds=True, disable_log_stats=False, **connector, **settings, **parallel)
     # (A checkpoint without a processor of its own, whose processor vLLM brings: its tokenizer.)
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=settings.get("trust_remote_code", False))
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -99,7 +107,8 @@ def main(checkpoint: str, dtype: str, settings: dict | None = None) -> dict:
             "engine": answer(images, [f"engine-{case}-{i}" for i in range(len(images))], iris=False),
             "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True)}
     for name, uuid in (("square", "engine-one image-0"), ("wide", "engine-another size-0")):
-        (engine,) = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())
+        # One tensor per worker (each rank runs the tower); the first rank's.
+        engine = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())[0]
         ours = features[name].tensors[form.values_field]
         result["features"][name] = {"shape": [list(ours.shape), list(engine.shape)],
                                     "dtype": [str(ours.dtype), str(engine.dtype)],
@@ -108,8 +117,8 @@ def main(checkpoint: str, dtype: str, settings: dict | None = None) -> dict:
     url = "data:image/png;base64," + base64.b64encode(png_bytes("square")).decode()
     chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": REFERENCE_TEXT}]}]
-    result["chat"] = list(llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
-                          .outputs[0].token_ids)
+    (chat_output,) = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs
+    result["chat"], result["chat_text"] = list(chat_output.token_ids), chat_output.text
     staging.close()
     return result
 
