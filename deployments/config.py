@@ -166,6 +166,7 @@ class IrisConfig(BaseModel):
                              "format does (it ships code of its own, which every stage runs)")
         return self
 
+    @model_validator(mode="after")
     def _check_placement(self) -> IrisConfig:
         self.decode_ranks()  # a parallel setting no placement can run is refused at build time
         return self
