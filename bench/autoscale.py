@@ -43,14 +43,23 @@ SCALED = "Preprocess"
 # Bench-only: react within seconds instead of Serve's defaults (30 s up, 600 s down, 30 s look-back).
 # Downscaling waits 20 s: with 8 s, brief dips of the reported queue under full load (metrics pushed
 # late by replicas busy on saturated cores) removed replicas that were still starting.
-PREPROCESS_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1,
-                          "upscale_delay_s": 3, "downscale_delay_s": 20, "look_back_period_s": 5}
+PREPROCESS_AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 1,
+    "upscale_delay_s": 3,
+    "downscale_delay_s": 20,
+    "look_back_period_s": 5,
+}
 # Handles and replicas report their queue lengths to the controller every 10 s by default.
-AUTOSCALING_ENV = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-                   "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+AUTOSCALING_ENV = {
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+}
 
 
 # ---------------------------------------------------------------- timeline analysis (pure)
+
 
 def replica_series(status_lines: list[dict], t0: float) -> dict[str, list[tuple[float, int, int]]]:
     """Deployment -> [(seconds since t0, RUNNING replicas, replicas in any state)] from serve_runner's log."""
@@ -58,7 +67,8 @@ def replica_series(status_lines: list[dict], t0: float) -> dict[str, list[tuple[
     for line in status_lines:
         for deployment, states in line["replicas"].items():
             series.setdefault(deployment, []).append(
-                (round(line["t"] - t0, 2), states.get("RUNNING", 0), sum(states.values())))
+                (round(line["t"] - t0, 2), states.get("RUNNING", 0), sum(states.values()))
+            )
     return series
 
 
@@ -70,7 +80,9 @@ def scaling_summary(series: dict[str, list[tuple[float, int, int]]], scaled: str
         initial, peak = running[0], max(running)
         peak_at = next(t for t, r, _ in points if r == peak)
         out["deployments"][deployment] = {
-            "initial": initial, "peak": peak, "final": running[-1],
+            "initial": initial,
+            "peak": peak,
+            "final": running[-1],
             "constant": all(p[1] == initial and p[2] == initial for p in points),
             # the autoscaler's decision (a replica starting) and the new replicas serving
             "decided_out_s": next((t for t, _, total in points if total > initial), None),
@@ -78,18 +90,22 @@ def scaling_summary(series: dict[str, list[tuple[float, int, int]]], scaled: str
             "peak_at_s": peak_at,
             "scale_in_started_s": next((t for t, r, _ in points if t > peak_at and r < peak), None),
             "running_at_load_end": running_at(points, load_end_s),
-            "back_to_initial_s": next((t for t, r, total in points
-                                       if t > peak_at and r == initial and total == initial), None),
+            "back_to_initial_s": next(
+                (t for t, r, total in points if t > peak_at and r == initial and total == initial), None
+            ),
         }
     mine = out["deployments"].get(scaled)
     others = {d: v for d, v in out["deployments"].items() if d != scaled}
     out["scaled_out"] = bool(mine and mine["peak"] > mine["initial"])
     # Still scaled out when the load stopped, back at the initial count only after it. (Under load it
     # may settle lower than its peak: that is the autoscaler tracking the queue, not scaling in.)
-    out["scaled_back_in"] = bool(out["scaled_out"] and mine["final"] == mine["initial"]
-                                 and (mine["running_at_load_end"] or 0) > mine["initial"]
-                                 and mine["back_to_initial_s"] is not None
-                                 and mine["back_to_initial_s"] >= load_end_s)
+    out["scaled_back_in"] = bool(
+        out["scaled_out"]
+        and mine["final"] == mine["initial"]
+        and (mine["running_at_load_end"] or 0) > mine["initial"]
+        and mine["back_to_initial_s"] is not None
+        and mine["back_to_initial_s"] >= load_end_s
+    )
     out["others_constant"] = bool(others) and all(v["constant"] for v in others.values())
     out["moved_out_and_back_alone"] = out["scaled_out"] and out["scaled_back_in"] and out["others_constant"]
     return out
@@ -113,14 +129,18 @@ def ttft_by_replicas(requests: list[dict], points: list[tuple[float, int, int]])
             n = running_at(points, r["start_s"])
             if n is not None:
                 groups.setdefault(n, []).append(r["ttft_ms"])
-    return {str(n): {"requests": len(v), "ttft_p50_ms": percentile(v, 50),
-                     "ttft_mean_ms": statistics.fmean(v)} for n, v in sorted(groups.items())}
+    return {
+        str(n): {"requests": len(v), "ttft_p50_ms": percentile(v, 50), "ttft_mean_ms": statistics.fmean(v)}
+        for n, v in sorted(groups.items())
+    }
 
 
 # ---------------------------------------------------------------- the run
 
-def run_phases(system: systems.RunningSystem, factory: WorkloadFactory, phases: list[tuple[str, int, float]],
-               t0: float) -> tuple[list[dict], list[dict]]:
+
+def run_phases(
+    system: systems.RunningSystem, factory: WorkloadFactory, phases: list[tuple[str, int, float]], t0: float
+) -> tuple[list[dict], list[dict]]:
     client = LoadClient(system.base_urls, systems.SERVED_NAME)
     done: list[dict] = []
     requests: list[dict] = []
@@ -134,20 +154,34 @@ def run_phases(system: systems.RunningSystem, factory: WorkloadFactory, phases: 
         records, duration = asyncio.run(client.closed_loop(workload, clients, duration_s=seconds, t0=t0))
         counters = system.counters().minus(before)
         summary = report.summarize(records, duration, len(records), counters)
-        done.append({"phase": name, "clients": clients, "start_s": round(start, 2),
-                     "end_s": round(start + duration, 2), "summary": summary})
+        done.append(
+            {
+                "phase": name,
+                "clients": clients,
+                "start_s": round(start, 2),
+                "end_s": round(start + duration, 2),
+                "summary": summary,
+            }
+        )
         requests += [_request_row(r, name) for r in records]
-        print(f"{name:>7}: {clients} client(s), {len(records)} requests in {duration:.0f} s, "
-              f"{summary['req_per_s']:.2f} req/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.0f} ms, "
-              f"preprocess {summary.get('stage_mean_ms', {}).get('preprocess', 0):.0f} ms/image", flush=True)
+        print(
+            f"{name:>7}: {clients} client(s), {len(records)} requests in {duration:.0f} s, "
+            f"{summary['req_per_s']:.2f} req/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.0f} ms, "
+            f"preprocess {summary.get('stage_mean_ms', {}).get('preprocess', 0):.0f} ms/image",
+            flush=True,
+        )
     return done, requests
 
 
 def _request_row(r: RequestRecord, phase: str) -> dict:
-    return {"phase": phase, "start_s": round(r.start_s, 3), "ok": r.ok,
-            "ttft_ms": round(r.ttft_s * 1000, 1) if r.ttft_s is not None else None,
-            "latency_ms": round(r.latency_s * 1000, 1) if r.latency_s is not None else None,
-            **({"error": f"{r.status} {r.error[:160]}"} if not r.ok else {})}
+    return {
+        "phase": phase,
+        "start_s": round(r.start_s, 3),
+        "ok": r.ok,
+        "ttft_ms": round(r.ttft_s * 1000, 1) if r.ttft_s is not None else None,
+        "latency_ms": round(r.latency_s * 1000, 1) if r.latency_s is not None else None,
+        **({"error": f"{r.status} {r.error[:160]}"} if not r.ok else {}),
+    }
 
 
 def wait_scaled_in(status_log: Path, max_s: float) -> float:
@@ -170,22 +204,26 @@ def _read_status(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def ceiling(cores: int, logical_cpus: int, preprocess_ms_one_client: float | None,
-            load_req_per_s: float | None) -> dict:
+def ceiling(
+    cores: int, logical_cpus: int, preprocess_ms_one_client: float | None, load_req_per_s: float | None
+) -> dict:
     """The most Preprocess could do here: every core decoding, each image at its one-client cost
     (an upper bound: the other stages and the client need the same cores)."""
     per_core = 1000 / preprocess_ms_one_client if preprocess_ms_one_client else None
     return {
-        "physical_cores": cores, "ray_logical_cpus": logical_cpus,
+        "physical_cores": cores,
+        "ray_logical_cpus": logical_cpus,
         "preprocess_ms_per_image_one_client": preprocess_ms_one_client,
         "images_per_s_if_preprocess_had_every_core": per_core * cores if per_core else None,
         "load_req_per_s": load_req_per_s,
-        "statement": (f"Ray is given {logical_cpus} logical CPUs, but this machine has {cores} CPUs, "
-                      f"shared by Ingress, Preprocess, VisionEncoder, LLMDecode (vLLM), Redis and the load client: "
-                      f"Preprocess replicas beyond {cores} cannot decode faster, and together they cannot get more "
-                      f"than ~{cores} cores of decoding (fewer, since the other stages need the same cores). "
-                      f"More replicas add queue capacity there, not throughput; on a cluster each would bring "
-                      f"its own cores."),
+        "statement": (
+            f"Ray is given {logical_cpus} logical CPUs, but this machine has {cores} CPUs, "
+            f"shared by Ingress, Preprocess, VisionEncoder, LLMDecode (vLLM), Redis and the load client: "
+            f"Preprocess replicas beyond {cores} cannot decode faster, and together they cannot get more "
+            f"than ~{cores} cores of decoding (fewer, since the other stages need the same cores). "
+            f"More replicas add queue capacity there, not throughput; on a cluster each would bring "
+            f"its own cores."
+        ),
     }
 
 
@@ -197,11 +235,24 @@ def plot(run: dict, out_prefix: Path) -> Path:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
     for i, (deployment, points) in enumerate(sorted(run["timeline"].items())):
-        top.step([p[0] for p in points], [p[1] + 0.04 * (i - 1.5) for p in points], where="post",
-                 label=deployment, color=f"C{i}", linewidth=2)
+        top.step(
+            [p[0] for p in points],
+            [p[1] + 0.04 * (i - 1.5) for p in points],
+            where="post",
+            label=deployment,
+            color=f"C{i}",
+            linewidth=2,
+        )
         if deployment == SCALED:  # the autoscaler's decision shows before the new replicas run
-            top.step([p[0] for p in points], [p[2] for p in points], where="post", color=f"C{i}",
-                     linestyle="--", linewidth=1, label=f"{deployment} incl. starting/stopping")
+            top.step(
+                [p[0] for p in points],
+                [p[2] for p in points],
+                where="post",
+                color=f"C{i}",
+                linestyle="--",
+                linewidth=1,
+                label=f"{deployment} incl. starting/stopping",
+            )
     top.set_ylabel("RUNNING replicas")
     top.set_yticks(range(0, PREPROCESS_AUTOSCALING["max_replicas"] + 2))
     top.legend(loc="upper right")
@@ -209,13 +260,24 @@ def plot(run: dict, out_prefix: Path) -> Path:
     for i, phase in enumerate(run["phases"]):
         for ax in (top, bottom):
             ax.axvspan(phase["start_s"], phase["end_s"], color="grey", alpha=0.08 if i % 2 else 0.18, linewidth=0)
-        top.text((phase["start_s"] + phase["end_s"]) / 2, PREPROCESS_AUTOSCALING["max_replicas"] + 1.5,
-                 f"{phase['phase']}\n{phase['clients']} client(s)", ha="center", va="top", fontsize=8)
+        top.text(
+            (phase["start_s"] + phase["end_s"]) / 2,
+            PREPROCESS_AUTOSCALING["max_replicas"] + 1.5,
+            f"{phase['phase']}\n{phase['clients']} client(s)",
+            ha="center",
+            va="top",
+            fontsize=8,
+        )
         phase_rows = [r for r in ok if r["phase"] == phase["phase"]]
         if not phase_rows:
             continue
-        bottom.scatter([r["start_s"] for r in phase_rows], [r["ttft_ms"] for r in phase_rows], s=8,
-                       color=f"C{4 + i}", label=f"{phase['phase']} (p50 {phase['summary']['ttft_ms']['p50'] or 0:.0f} ms)")
+        bottom.scatter(
+            [r["start_s"] for r in phase_rows],
+            [r["ttft_ms"] for r in phase_rows],
+            s=8,
+            color=f"C{4 + i}",
+            label=f"{phase['phase']} (p50 {phase['summary']['ttft_ms']['p50'] or 0:.0f} ms)",
+        )
     bottom.set_yscale("log")
     bottom.set_ylabel("TTFT (ms), by request start")
     bottom.set_xlabel("seconds since the first phase started")
@@ -237,16 +299,23 @@ def analyse(run: dict) -> None:
     before = next(p for p in run["phases"] if p["phase"] == "before")
     run["scaling"] = scaling_summary(series, SCALED, load["end_s"])
     run["ttft_by_preprocess_replicas"] = ttft_by_replicas(
-        [r for r in run["requests"] if r["phase"] == "load"], series.get(SCALED, []))
-    run["ceiling"] = ceiling(run["ceiling"]["physical_cores"] if "ceiling" in run else run["machine"]["cpus"],
-                             run["ray_logical_cpus"], before["summary"].get("stage_mean_ms", {}).get("preprocess"),
-                             load["summary"]["req_per_s"])
+        [r for r in run["requests"] if r["phase"] == "load"], series.get(SCALED, [])
+    )
+    run["ceiling"] = ceiling(
+        run["ceiling"]["physical_cores"] if "ceiling" in run else run["machine"]["cpus"],
+        run["ray_logical_cpus"],
+        before["summary"].get("stage_mean_ms", {}).get("preprocess"),
+        load["summary"]["req_per_s"],
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = results.parser("autoscale", __doc__)
-    parser.add_argument("--model", default="builtin:tiny-llava",
-                        help="the tiny model's vision tower and decoder are cheap, so decoding 12 MP JPEGs dominates")
+    parser.add_argument(
+        "--model",
+        default="builtin:tiny-llava",
+        help="the tiny model's vision tower and decoder are cheap, so decoding 12 MP JPEGs dominates",
+    )
     parser.add_argument("--before-s", type=float, default=30)
     # Long enough for new replicas to start on busy cores and then serve a while.
     parser.add_argument("--load-s", type=float, default=120)
@@ -257,8 +326,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-cpus", type=int, default=8, help="Ray's logical CPUs (serve_runner's default)")
     parser.add_argument("--name", default="autoscale")
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
-    parser.add_argument("--reanalyse", metavar="JSON", help="recompute the analysis and plot of a saved run, "
-                        "in place, without starting anything")
+    parser.add_argument(
+        "--reanalyse",
+        metavar="JSON",
+        help="recompute the analysis and plot of a saved run, in place, without starting anything",
+    )
     return parser.parse_args(argv)
 
 
@@ -284,17 +356,30 @@ def main(argv: list[str]) -> None:
     status_log = log_dir / "replicas.jsonl"
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = {**results.provenance(results.command_line("autoscale", argv)), "model": args.model,
-           "checkpoint": checkpoint, "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING,
-           "env": AUTOSCALING_ENV, "logs": str(log_dir), "ray_logical_cpus": args.num_cpus}
-    system = systems.start("iris", 1, engine, log_dir, deployments={SCALED: {"autoscaling_config": PREPROCESS_AUTOSCALING}},
-                           env=AUTOSCALING_ENV, status_log=status_log)
+    run = {
+        **results.provenance(results.command_line("autoscale", argv)),
+        "model": args.model,
+        "checkpoint": checkpoint,
+        "preprocess_autoscaling_config": PREPROCESS_AUTOSCALING,
+        "env": AUTOSCALING_ENV,
+        "logs": str(log_dir),
+        "ray_logical_cpus": args.num_cpus,
+    }
+    system = systems.start(
+        "iris",
+        1,
+        engine,
+        log_dir,
+        deployments={SCALED: {"autoscaling_config": PREPROCESS_AUTOSCALING}},
+        env=AUTOSCALING_ENV,
+        status_log=status_log,
+    )
     try:
         run["start_s"] = system.start_s
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
         run["warm_up"] = warm_up(client, factory)
         # First large images cost more (allocations, thread pools): keep that out of the "before" phase.
-        large, _ = asyncio.run(client.closed_loop(large_image_workload(factory, 4, first_label=10 ** 6), 1))
+        large, _ = asyncio.run(client.closed_loop(large_image_workload(factory, 4, first_label=10**6), 1))
         run["warm_up"]["large_images_failed"] = sum(not r.ok for r in large)
         wait_scaled_in(status_log, 120)  # in case the warm-up's burst scaled Preprocess out
         t0, t0_wall = time.perf_counter(), time.time()
@@ -302,17 +387,31 @@ def main(argv: list[str]) -> None:
         run["phases"], run["requests"] = run_phases(system, factory, phases, t0)
         idle_start = time.perf_counter() - t0
         waited = wait_scaled_in(status_log, args.idle_max_s)
-        run["phases"].append({"phase": "idle", "clients": 0, "start_s": round(idle_start, 2),
-                              "end_s": round(idle_start + waited, 2),
-                              "summary": report.summarize([], waited, 0, None)})
+        run["phases"].append(
+            {
+                "phase": "idle",
+                "clients": 0,
+                "start_s": round(idle_start, 2),
+                "end_s": round(idle_start + waited, 2),
+                "summary": report.summarize([], waited, 0, None),
+            }
+        )
     finally:
         system.stop()
     run["timeline"] = replica_series([line for line in _read_status(status_log) if line["t"] >= t0_wall - 5], t0_wall)
     analyse(run)
     run["plot"] = plot(run, out_dir / args.name).name
     results.save(run, out_dir / f"{args.name}.json")
-    print(json.dumps({"scaling": run["scaling"], "ttft_by_preprocess_replicas": run["ttft_by_preprocess_replicas"],
-                      "ceiling": run["ceiling"]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "scaling": run["scaling"],
+                "ttft_by_preprocess_replicas": run["ttft_by_preprocess_replicas"],
+                "ceiling": run["ceiling"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ from redis.utils import HIREDIS_AVAILABLE
 from bench.harness import results
 from bench.harness.stats import distribution, timed, timed_async
 from bench.harness.systems import delete_namespace
-from cache_service.features import Features
 from cache_service.codec import decode, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 
 
 def llava_features() -> Features:
@@ -84,15 +84,17 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
     # -- L1 only
     l1 = FeatureCache(CacheConfig(redis_url=None, namespace=namespace, l1_max_bytes=1 << 30))
     key = f"{namespace}:{label}:0"
-    rows.append(summarise(f"{label} L1 put", nbytes, await timed_async(lambda: l1.put_many([(key, features)]), args.iters)))
+    rows.append(
+        summarise(f"{label} L1 put", nbytes, await timed_async(lambda: l1.put_many([(key, features)]), args.iters))
+    )
     rows.append(summarise(f"{label} L1 get", nbytes, await timed_async(lambda: l1.get_many([key]), args.iters)))
     await l1.close()
 
     # -- L2 with L1 disabled: every get goes to Redis
-    l2 = FeatureCache(
-        CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=0, redis_timeout_s=2.0)
+    l2 = FeatureCache(CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=0, redis_timeout_s=2.0))
+    rows.append(
+        summarise(f"{label} L2 put", nbytes, await timed_async(lambda: l2.put_many([(key, features)]), args.iters))
     )
-    rows.append(summarise(f"{label} L2 put", nbytes, await timed_async(lambda: l2.put_many([(key, features)]), args.iters)))
 
     async def l2_get():
         [got] = await l2.get_many([key])
@@ -107,7 +109,9 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
         got = await l2.get_many(batch_keys)
         assert all(g is not None for g in got)
 
-    rows.append(summarise(f"{label} L2 get batch of 8", 8 * nbytes, await timed_async(l2_get_batch, max(10, args.iters // 4))))
+    rows.append(
+        summarise(f"{label} L2 get batch of 8", 8 * nbytes, await timed_async(l2_get_batch, max(10, args.iters // 4)))
+    )
 
     stats = l2.stats()
     assert stats["degraded_transitions"] == 0, "Redis went degraded during the benchmark"
@@ -116,24 +120,34 @@ async def bench_family(label: str, features: Features, args, namespace: str) -> 
     # Realistic L2 hits: each value read once and kept (promoted into L1), so
     # every read lands in fresh memory instead of reusing the last buffer.
     distinct = [f"{namespace}:{label}:d{i}" for i in range(min(args.iters, 40))]
-    writer = FeatureCache(CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=0, redis_timeout_s=2.0))
+    writer = FeatureCache(
+        CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=0, redis_timeout_s=2.0)
+    )
     await writer.put_many([(k, features) for k in distinct])
     await writer.close()
-    reader = FeatureCache(CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=1 << 30, redis_timeout_s=2.0))
+    reader = FeatureCache(
+        CacheConfig(redis_url=args.redis_url, namespace=namespace, l1_max_bytes=1 << 30, redis_timeout_s=2.0)
+    )
     todo = iter(distinct)
 
     async def l2_get_promoted():
         [got] = await reader.get_many([next(todo)])
         assert got is not None
 
-    rows.append(summarise(f"{label} L2 get, kept in L1", nbytes, await timed_async(l2_get_promoted, len(distinct), warmup=0)))
+    rows.append(
+        summarise(f"{label} L2 get, kept in L1", nbytes, await timed_async(l2_get_promoted, len(distinct), warmup=0))
+    )
     assert reader.stats()["l2_hits"] == len(distinct)
     await reader.close()
 
     # -- bare redis-py GET of the encoded value (the client's share of an L2 get)
     client = aredis.Redis.from_url(args.redis_url)
     await client.set(key, value_bytes)
-    rows.append(summarise(f"{label} redis-py GET only", len(value_bytes), await timed_async(lambda: client.get(key), args.iters)))
+    rows.append(
+        summarise(
+            f"{label} redis-py GET only", len(value_bytes), await timed_async(lambda: client.get(key), args.iters)
+        )
+    )
     await client.aclose()
     return rows
 
@@ -167,8 +181,12 @@ async def run(args) -> tuple[list[dict], dict]:
     finally:
         delete_namespace(sync_client, namespace)
         sync_client.close()
-    versions = {"redis_server": server["redis_version"], "redis_py": redis.__version__,
-                "hiredis": HIREDIS_AVAILABLE, "torch": torch.__version__}
+    versions = {
+        "redis_server": server["redis_version"],
+        "redis_py": redis.__version__,
+        "hiredis": HIREDIS_AVAILABLE,
+        "torch": torch.__version__,
+    }
     return rows, versions
 
 

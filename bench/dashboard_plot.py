@@ -32,8 +32,11 @@ class PanelQuery:
 
 def panel_queries(path: Path = DASHBOARD) -> list[PanelQuery]:
     dashboard = json.loads(path.read_text())
-    return [PanelQuery(p["title"], t.get("legendFormat", ""), t["expr"])
-            for p in dashboard["panels"] for t in p.get("targets", [])]
+    return [
+        PanelQuery(p["title"], t.get("legendFormat", ""), t["expr"])
+        for p in dashboard["panels"]
+        for t in p.get("targets", [])
+    ]
 
 
 def expand(expr: str, application: str = ".*", rate_interval: str = "1m") -> str:
@@ -47,14 +50,18 @@ def _label(legend: str, metric: dict) -> str:
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step_s: float) -> list[dict]:
-    r = httpx.get(f"{prometheus}/api/v1/query_range",
-                  params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=30)
+    r = httpx.get(
+        f"{prometheus}/api/v1/query_range",
+        params={"query": expr, "start": start, "end": end, "step": step_s},
+        timeout=30,
+    )
     r.raise_for_status()
     return r.json()["data"]["result"]
 
 
-def plot(prometheus: str, out: Path, start: float, end: float, application: str = ".*",
-         rate_interval: str = "1m") -> None:
+def plot(
+    prometheus: str, out: Path, start: float, end: float, application: str = ".*", rate_interval: str = "1m"
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,17 +77,20 @@ def plot(prometheus: str, out: Path, start: float, end: float, application: str 
         for q in (q for q in queries if q.panel == title):
             for series in query_range(prometheus, expand(q.expr, application, rate_interval), start, end, step):
                 ts = [float(t) - start for t, _ in series["values"]]
-                ax.plot(ts, [float(v) for _, v in series["values"]], label=_label(q.legend, series["metric"]),
-                        linewidth=1.2)
+                ax.plot(
+                    ts, [float(v) for _, v in series["values"]], label=_label(q.legend, series["metric"]), linewidth=1.2
+                )
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("seconds", fontsize=7)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="upper left")
-    for ax in list(axes.flat)[len(titles):]:
+    for ax in list(axes.flat)[len(titles) :]:
         ax.axis("off")
-    fig.suptitle(f"Iris dashboard, {len(titles)} panels (cluster/grafana/iris-dashboard.json), "
-                 f"rate window {rate_interval}", fontsize=10)
+    fig.suptitle(
+        f"Iris dashboard, {len(titles)} panels (cluster/grafana/iris-dashboard.json), rate window {rate_interval}",
+        fontsize=10,
+    )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=72)

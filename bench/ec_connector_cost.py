@@ -70,22 +70,34 @@ def measure(model: str, rounds: int, iters: int) -> dict:
 
         staging.stage(key, features)
         path = staging.dir / staged_name(key)
-        steps = {"decode": lambda: vision.load_image(data), "processor": lambda: vision.preprocess(image),
-                 "stage": stage, "load": lambda: values_of(codec.decode(path.read_bytes()))}
+        steps = {
+            "decode": lambda: vision.load_image(data),
+            "processor": lambda: vision.preprocess(image),
+            "stage": stage,
+            "load": lambda: values_of(codec.decode(path.read_bytes())),
+        }
         if takes_embeddings:
             steps["embeddings"] = lambda: embeddings.embedding_input([plain])
         per_round = {step: [] for step in steps}
         for r in range(rounds):
-            for step, fn in (steps.items() if r % 2 == 0 else reversed(steps.items())):
+            for step, fn in steps.items() if r % 2 == 0 else reversed(steps.items()):
                 per_round[step].append(percentile(timed(fn, iters), 50) * 1000)
         staging.release([key])
         ms = {step: round(percentile(v, 50), 3) for step, v in per_round.items()}
         values = features.tensors[vision.forms["image"].values_field]
-        out["sizes"][name] = {"jpeg_bytes": len(data), "feature_rows": int(values.shape[0]),
-                              "feature_bytes": values.numel() * values.element_size(), "ms": ms,
-                              "connector_ms": round(sum(ms[s] for s in ("decode", "processor", "stage", "load")), 3)}
-        print(f"{model:24} {name:10} rows {values.shape[0]:5}  " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
-              + f"  connector total {out['sizes'][name]['connector_ms']:.3f} ms", flush=True)
+        out["sizes"][name] = {
+            "jpeg_bytes": len(data),
+            "feature_rows": int(values.shape[0]),
+            "feature_bytes": values.numel() * values.element_size(),
+            "ms": ms,
+            "connector_ms": round(sum(ms[s] for s in ("decode", "processor", "stage", "load")), 3),
+        }
+        print(
+            f"{model:24} {name:10} rows {values.shape[0]:5}  "
+            + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
+            + f"  connector total {out['sizes'][name]['connector_ms']:.3f} ms",
+            flush=True,
+        )
     staging.close()
     return out
 
@@ -97,29 +109,40 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=int, default=10, help="timings per step, size and round")
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR / "ec_connector"))
     args = parser.parse_args(argv)
-    run = {**results.provenance(results.command_line("ec-connector", argv)),
-           "models": [measure(m, args.rounds, args.iters) for m in args.models.split(",")]}
+    run = {
+        **results.provenance(results.command_line("ec-connector", argv)),
+        "models": [measure(m, args.rounds, args.iters) for m in args.models.split(",")],
+    }
     out = results.save(run, Path(args.out_dir) / "ec_connector_cost.json", markdown(run))
     print(f"saved {out}")
     return 0
 
 
 def markdown(run: dict) -> str:
-    lines = ["# One image through the EC connector, step by step (CPU)", "",
-             f"Commit `{run['commit']}`; {results.describe(run['machine'])}; {run['started']}.", "",
-             f"    {run['command']}", "",
-             "Milliseconds per image, the median of the rounds' medians. decode, processor and stage run on the "
-             "decode replica (LLMDecode), load in vLLM's engine process; embeddings is what the embeddings path "
-             "does instead, for a model that takes them.", "",
-             "| model | image | JPEG bytes | feature rows | feature bytes | decode | processor | stage | load | "
-             "connector total | embeddings |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# One image through the EC connector, step by step (CPU)",
+        "",
+        f"Commit `{run['commit']}`; {results.describe(run['machine'])}; {run['started']}.",
+        "",
+        f"    {run['command']}",
+        "",
+        "Milliseconds per image, the median of the rounds' medians. decode, processor and stage run on the "
+        "decode replica (LLMDecode), load in vLLM's engine process; embeddings is what the embeddings path "
+        "does instead, for a model that takes them.",
+        "",
+        "| model | image | JPEG bytes | feature rows | feature bytes | decode | processor | stage | load | "
+        "connector total | embeddings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m in run["models"]:
         for name, s in m["sizes"].items():
             ms = s["ms"]
             embeddings = f"{ms['embeddings']:.3f}" if "embeddings" in ms else "-"
-            lines.append(f"| `{m['model']}` | {name} | {s['jpeg_bytes']} | {s['feature_rows']} | {s['feature_bytes']} | "
-                         f"{ms['decode']:.2f} | {ms['processor']:.2f} | {ms['stage']:.2f} | {ms['load']:.2f} | "
-                         f"{s['connector_ms']:.2f} | {embeddings} |")
+            lines.append(
+                f"| `{m['model']}` | {name} | {s['jpeg_bytes']} | {s['feature_rows']} | {s['feature_bytes']} | "
+                f"{ms['decode']:.2f} | {ms['processor']:.2f} | {ms['stage']:.2f} | {ms['load']:.2f} | "
+                f"{s['connector_ms']:.2f} | {embeddings} |"
+            )
     return "\n".join(lines) + "\n"
 
 

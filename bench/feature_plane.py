@@ -29,10 +29,10 @@ from bench.harness.redis_servers import (
     free_node_port,
 )
 from bench.harness.stats import median_and_range, percentile
-from cache_service.features import Features
 from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 
 # Features of one image at real model sizes: (image tokens, values per token), from the
 # checkpoints' config.json (hidden_size of the language model, or the projector's output)
@@ -66,8 +66,15 @@ def llava_features(dtype: torch.dtype) -> Features:
 
 async def throughput(url: str, cluster: bool, features: Features, clients: int, seconds: float) -> dict:
     """PUT then GET values per second through FeatureCache, `clients` concurrent callers."""
-    config = CacheConfig(redis_url=url, redis_cluster=cluster, namespace="bench", l1_max_bytes=0,
-                         redis_timeout_s=5.0, redis_connect_timeout_s=5.0, redis_pool_size=max(16, clients))
+    config = CacheConfig(
+        redis_url=url,
+        redis_cluster=cluster,
+        namespace="bench",
+        l1_max_bytes=0,
+        redis_timeout_s=5.0,
+        redis_connect_timeout_s=5.0,
+        redis_pool_size=max(16, clients),
+    )
     cache = FeatureCache(config)
     keys = [f"bench:plane:{i}" for i in range(KEYS)]
     value_bytes = len(encode(features))
@@ -101,8 +108,12 @@ async def throughput(url: str, cluster: bool, features: Features, clients: int, 
         assert cache.stats()["degraded_transitions"] == 0, "Redis went degraded during the benchmark"
     finally:
         await cache.close()
-    return {"put_per_s": round(puts, 1), "get_per_s": round(gets, 1),
-            "put_MBps": round(puts * value_bytes / 1e6, 1), "get_MBps": round(gets * value_bytes / 1e6, 1)}
+    return {
+        "put_per_s": round(puts, 1),
+        "get_per_s": round(gets, 1),
+        "put_MBps": round(puts * value_bytes / 1e6, 1),
+        "get_MBps": round(gets * value_bytes / 1e6, 1),
+    }
 
 
 def capacity(get_per_s: float, bench_value_bytes: int) -> list[dict]:
@@ -111,8 +122,15 @@ def capacity(get_per_s: float, bench_value_bytes: int) -> list[dict]:
     rows = []
     for family, (tokens, width) in FAMILY_SIZES.items():
         nbytes = tokens * width * 2  # bf16
-        rows.append({"family": family, "tokens": tokens, "values_per_token": width, "MB_per_image": round(nbytes / 1e6, 2),
-                     "images_per_s_per_shard": round(shard_bytes_per_s / nbytes, 1)})
+        rows.append(
+            {
+                "family": family,
+                "tokens": tokens,
+                "values_per_token": width,
+                "MB_per_image": round(nbytes / 1e6, 2),
+                "images_per_s_per_shard": round(shard_bytes_per_s / nbytes, 1),
+            }
+        )
     return rows
 
 
@@ -140,39 +158,62 @@ async def measure(args) -> dict:
         single.kill()
         replica.kill()
         cluster.stop()
-    ratios = {op: median_and_range([g["cluster"][op] / g["single"][op] for g in rounds])
-              for op in ("put_per_s", "get_per_s")}
+    ratios = {
+        op: median_and_range([g["cluster"][op] / g["single"][op] for g in rounds]) for op in ("put_per_s", "get_per_s")
+    }
     single_get = percentile([g["single"]["get_per_s"] for g in rounds], 50)
     bf16_bytes, fp32_bytes = len(encode(bf16)), len(encode(fp32))
-    return {"rounds": rounds, "cluster_over_single": ratios, "fp32_single": fp32_single,
-            "value_bytes": {"bf16": bf16_bytes, "fp32": fp32_bytes, "fp32_over_bf16": round(fp32_bytes / bf16_bytes, 3)},
-            "capacity": capacity(single_get, bf16_bytes),
-            "settings": {"clients": args.clients, "seconds": args.seconds, "keys": KEYS,
-                         "features": f"{BENCH_TOKENS}x{BENCH_HIDDEN}"}}
+    return {
+        "rounds": rounds,
+        "cluster_over_single": ratios,
+        "fp32_single": fp32_single,
+        "value_bytes": {"bf16": bf16_bytes, "fp32": fp32_bytes, "fp32_over_bf16": round(fp32_bytes / bf16_bytes, 3)},
+        "capacity": capacity(single_get, bf16_bytes),
+        "settings": {
+            "clients": args.clients,
+            "seconds": args.seconds,
+            "keys": KEYS,
+            "features": f"{BENCH_TOKENS}x{BENCH_HIDDEN}",
+        },
+    }
 
 
 def markdown(run: dict) -> str:
-    lines = ["# Feature plane: one Redis and a 3-master Redis Cluster\n",
-             f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.\n",
-             f"    {run['command']}\n",
-             "Values per second through the feature cache (LLaVA-1.5-7B-sized bf16 features, "
-             f"{run['value_bytes']['bf16'] / 1e6:.2f} MB encoded; {run['settings']['clients']} concurrent callers "
-             "in one process; L1 off).\n",
-             "| round | one Redis PUT/s | cluster PUT/s | one Redis GET/s | cluster GET/s |", "|---|---|---|---|---|"]
+    lines = [
+        "# Feature plane: one Redis and a 3-master Redis Cluster\n",
+        f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.\n",
+        f"    {run['command']}\n",
+        "Values per second through the feature cache (LLaVA-1.5-7B-sized bf16 features, "
+        f"{run['value_bytes']['bf16'] / 1e6:.2f} MB encoded; {run['settings']['clients']} concurrent callers "
+        "in one process; L1 off).\n",
+        "| round | one Redis PUT/s | cluster PUT/s | one Redis GET/s | cluster GET/s |",
+        "|---|---|---|---|---|",
+    ]
     for i, r in enumerate(run["rounds"], 1):
-        lines.append(f"| {i} | {r['single']['put_per_s']} | {r['cluster']['put_per_s']} | "
-                     f"{r['single']['get_per_s']} | {r['cluster']['get_per_s']} |")
+        lines.append(
+            f"| {i} | {r['single']['put_per_s']} | {r['cluster']['put_per_s']} | "
+            f"{r['single']['get_per_s']} | {r['cluster']['get_per_s']} |"
+        )
     c = run["cluster_over_single"]
-    lines += ["", f"Cluster ÷ one Redis, median (range): PUT {c['put_per_s']['median']} "
-              f"({c['put_per_s']['min']}–{c['put_per_s']['max']}), GET {c['get_per_s']['median']} "
-              f"({c['get_per_s']['min']}–{c['get_per_s']['max']}).", "",
-              f"Bytes per LLaVA-1.5-7B image: bf16 {run['value_bytes']['bf16']}, fp32 {run['value_bytes']['fp32']} "
-              f"(×{run['value_bytes']['fp32_over_bf16']}); fp32 on one Redis: {run['fp32_single']}.", "",
-              "Images per second one shard serves at the GET rate measured here (bytes per second ÷ bytes per image):", "",
-              "| family | tokens | values per token | MB per image (bf16) | images/s per shard |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Cluster ÷ one Redis, median (range): PUT {c['put_per_s']['median']} "
+        f"({c['put_per_s']['min']}–{c['put_per_s']['max']}), GET {c['get_per_s']['median']} "
+        f"({c['get_per_s']['min']}–{c['get_per_s']['max']}).",
+        "",
+        f"Bytes per LLaVA-1.5-7B image: bf16 {run['value_bytes']['bf16']}, fp32 {run['value_bytes']['fp32']} "
+        f"(×{run['value_bytes']['fp32_over_bf16']}); fp32 on one Redis: {run['fp32_single']}.",
+        "",
+        "Images per second one shard serves at the GET rate measured here (bytes per second ÷ bytes per image):",
+        "",
+        "| family | tokens | values per token | MB per image (bf16) | images/s per shard |",
+        "|---|---|---|---|---|",
+    ]
     for row in run["capacity"]:
-        lines.append(f"| {row['family']} | {row['tokens']} | {row['values_per_token']} | {row['MB_per_image']} | "
-                     f"{row['images_per_s_per_shard']} |")
+        lines.append(
+            f"| {row['family']} | {row['tokens']} | {row['values_per_token']} | {row['MB_per_image']} | "
+            f"{row['images_per_s_per_shard']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

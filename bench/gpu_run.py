@@ -60,20 +60,29 @@ def parse_args(argv: list[str] | None = None):
     parser = results.parser("gpu", __doc__)
     parser.add_argument("--models", default=",".join(MODELS), help=f"families, comma-separated, of {MODELS}")
     parser.add_argument("--size", default="7b", help="built-in size: 7b (the real dimensions) or tiny / bench")
-    parser.add_argument("--systems", default=",".join(PEER_SYSTEMS),
-                        help=f"comma-separated subset of {','.join(systems.SYSTEMS)}")
+    parser.add_argument(
+        "--systems", default=",".join(PEER_SYSTEMS), help=f"comma-separated subset of {','.join(systems.SYSTEMS)}"
+    )
     parser.add_argument("--clients", default="1,16", help="closed-loop client counts, comma-separated")
     parser.add_argument("--requests", type=int, default=64, help="at most this many requests per load point")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated, of bench/harness/workloads.py's image and text workloads")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="seconds of measurement in all, split evenly over the load points")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated, of bench/harness/workloads.py's image and text workloads",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=480.0, help="seconds of measurement in all, split evenly over the load points"
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens of every answer")
     parser.add_argument("--image-px", type=int, default=512, help="side of the workloads' JPEGs")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
-    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="engines without torch.compile / CUDA graphs (default: on a CPU only)")
+    parser.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engines without torch.compile / CUDA graphs (default: on a CPU only)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one system to start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(results.RESULTS_DIR / "gpu_run.json"))
@@ -97,9 +106,22 @@ def run_gpu(args, command: str) -> dict:
     clients = [int(c) for c in args.clients.split(",")]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     points = [(w, c) for w in workloads for c in clients]
-    run = {**results.provenance(command), "models": {}, "size": args.size, "systems": names, "clients": clients,
-           "workloads": workloads, "max_tokens": args.max_tokens, "image_px": args.image_px, "seed": args.seed,
-           "budget_s": args.budget_s, "starts": [], "results": [], "ratios": [], "duration_s": 0.0}
+    run = {
+        **results.provenance(command),
+        "models": {},
+        "size": args.size,
+        "systems": names,
+        "clients": clients,
+        "workloads": workloads,
+        "max_tokens": args.max_tokens,
+        "image_px": args.image_px,
+        "seed": args.seed,
+        "budget_s": args.budget_s,
+        "starts": [],
+        "results": [],
+        "ratios": [],
+        "duration_s": 0.0,
+    }
     gpu = bool(run["machine"]["gpus"])
     eager = (not gpu) if args.eager is None else args.eager
     point_s = args.budget_s / max(1, len(models) * len(names) * len(points))
@@ -113,11 +135,21 @@ def run_gpu(args, command: str) -> dict:
         built = time.monotonic()
         checkpoint = _build(model)
         dtype = checkpoint_dtype(checkpoint)
-        run["models"][model] = {"checkpoint": checkpoint, "dtype": dtype, "ready_s": time.monotonic() - built,
-                                "disk_gb": sum(p.stat().st_size for p in Path(checkpoint).iterdir()) / 1e9}
-        engine = systems.EngineSettings(checkpoint, dtype, max_model_len=args.max_model_len, max_videos=0,
-                                        eager=eager, gpu=gpu,
-                                        gpu_memory_utilization=args.gpu_memory_utilization if gpu else None)
+        run["models"][model] = {
+            "checkpoint": checkpoint,
+            "dtype": dtype,
+            "ready_s": time.monotonic() - built,
+            "disk_gb": sum(p.stat().st_size for p in Path(checkpoint).iterdir()) / 1e9,
+        }
+        engine = systems.EngineSettings(
+            checkpoint,
+            dtype,
+            max_model_len=args.max_model_len,
+            max_videos=0,
+            eager=eager,
+            gpu=gpu,
+            gpu_memory_utilization=args.gpu_memory_utilization if gpu else None,
+        )
         for name in names:
             _run_system(run, model, name, engine, points, point_s, args, log_dir)
             run["duration_s"] = time.monotonic() - t0
@@ -137,36 +169,59 @@ def _build(model: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def _run_system(run: dict, model: str, name: str, engine: systems.EngineSettings, points: list[tuple[str, int]],
-                point_s: float, args, log_dir: Path) -> None:
+def _run_system(
+    run: dict,
+    model: str,
+    name: str,
+    engine: systems.EngineSettings,
+    points: list[tuple[str, int]],
+    point_s: float,
+    args,
+    log_dir: Path,
+) -> None:
     print(f"{model}: starting {name}", file=sys.stderr, flush=True)
     try:
         system = systems.start(name, 1, engine, log_dir, timeout_s=args.timeout)
     except Exception as err:  # one system that cannot start does not stop the others
         run["starts"].append({"model": model, "system": name, "error": str(err)[-2000:]})
-        run["results"] += [{"model": model, "system": name, "replicas": 1, "point": f"{w}-c{c}",
-                            "skipped": "did not start (see starts)"} for w, c in points]
+        run["results"] += [
+            {
+                "model": model,
+                "system": name,
+                "replicas": 1,
+                "point": f"{w}-c{c}",
+                "skipped": "did not start (see starts)",
+            }
+            for w, c in points
+        ]
         return
     factory = WorkloadFactory(args.seed, args.image_px, max_tokens=args.max_tokens)
     # ignore_eos: every answer max_tokens long, whatever the random weights make of it.
     client = LoadClient(system.base_urls, systems.SERVED_NAME, extra_body={"ignore_eos": True})
     try:
-        run["starts"].append({"model": model, "system": name, "start_s": system.start_s,
-                              "warm_up": warm_up(client, factory)})
+        run["starts"].append(
+            {"model": model, "system": name, "start_s": system.start_s, "warm_up": warm_up(client, factory)}
+        )
         before = system.counters()
         for workload_name, concurrency in points:
             point = f"{workload_name}-c{concurrency}"
             print(f"{model}: {name} {point}", file=sys.stderr, flush=True)
-            entry = {"model": model, "system": name, "replicas": 1, "point": point, "workload": workload_name,
-                     "concurrency": concurrency}
+            entry = {
+                "model": model,
+                "system": name,
+                "replicas": 1,
+                "point": point,
+                "workload": workload_name,
+                "concurrency": concurrency,
+            }
             try:
                 # The same images and text for every system; new ones at every point.
-                workload = WorkloadFactory(hash_str(f"{args.seed}:{model}:{point}") % 2 ** 31, args.image_px,
-                                           max_tokens=args.max_tokens).build(workload_name, args.requests)
+                workload = WorkloadFactory(
+                    hash_str(f"{args.seed}:{model}:{point}") % 2**31, args.image_px, max_tokens=args.max_tokens
+                ).build(workload_name, args.requests)
                 records, duration = asyncio.run(client.closed_loop(workload, concurrency, duration_s=point_s))
                 after = system.counters()
-                entry["summary"] = report.summarize(records, duration, workload.distinct_images,
-                                                    after.minus(before))
+                entry["summary"] = report.summarize(records, duration, workload.distinct_images, after.minus(before))
                 entry["description"] = workload.description
                 before = after
             except Exception as err:
@@ -193,15 +248,24 @@ def _save(run: dict, out: Path) -> None:
 def markdown(run: dict) -> str:
     """One section per model (bench/harness/report.py's tables), after a header saying what ran."""
     machine = run["machine"]
-    head = [f"# `python -m bench gpu`: Iris, Ray Serve LLM and `vllm serve` at size {run['size']}", "",
-            f"{machine['description']}; commit `{run['commit']}`; {run['started']}; "
-            f"{run['duration_s'] / 60:.0f} min in all.", "", f"    {run['command']}", "",
-            f"Closed loop at {', '.join(map(str, run['clients']))} clients; {run['image_px']} px JPEGs; every answer "
-            f"{run['max_tokens']} tokens (ignore_eos); at most {run['point_budget_s']:.0f} s per load point; "
-            f"engines {'on the GPU' if run['gpu'] else 'on the CPU'}{', eager' if run['eager'] else ''}.", ""]
+    head = [
+        f"# `python -m bench gpu`: Iris, Ray Serve LLM and `vllm serve` at size {run['size']}",
+        "",
+        f"{machine['description']}; commit `{run['commit']}`; {run['started']}; "
+        f"{run['duration_s'] / 60:.0f} min in all.",
+        "",
+        f"    {run['command']}",
+        "",
+        f"Closed loop at {', '.join(map(str, run['clients']))} clients; {run['image_px']} px JPEGs; every answer "
+        f"{run['max_tokens']} tokens (ignore_eos); at most {run['point_budget_s']:.0f} s per load point; "
+        f"engines {'on the GPU' if run['gpu'] else 'on the CPU'}{', eager' if run['eager'] else ''}.",
+        "",
+    ]
     for model, info in run["models"].items():
-        head.append(f"- `{model}`: {info['dtype']}, {info['disk_gb']:.1f} GB, ready in {info['ready_s']:.0f} s "
-                    f"(built or found in {info['checkpoint']})")
+        head.append(
+            f"- `{model}`: {info['dtype']}, {info['disk_gb']:.1f} GB, ready in {info['ready_s']:.0f} s "
+            f"(built or found in {info['checkpoint']})"
+        )
     starts = [s for s in run["starts"] if "start_s" in s]
     if starts:
         head += ["", "Start-up (s): " + ", ".join(f"{s['system']} {s['start_s']:.0f} ({s['model']})" for s in starts)]

@@ -29,8 +29,9 @@ from pipeline.api import body as json_body
 def bodies() -> dict[str, bytes]:
     def chat(*parts: dict) -> bytes:
         content = [*parts, {"type": "text", "text": "What happens in this clip? Describe it in detail."}]
-        return json.dumps({"model": "m", "max_tokens": 16, "stream": True,
-                           "messages": [{"role": "user", "content": content}]}).encode()
+        return json.dumps(
+            {"model": "m", "max_tokens": 16, "stream": True, "messages": [{"role": "user", "content": content}]}
+        ).encode()
 
     image = WorkloadFactory(0).large(1, width=640, height=480).conversations[0].turns[0].image
     return {
@@ -64,26 +65,41 @@ def main(argv: list[str]) -> int:
             for label, fn in order if r % 2 == 0 else order[::-1]:
                 per_round[label].append(percentile(timed(lambda: fn(raw), args.iters), 50) * 1000)
         ratio = median_and_range([m / j for m, j in zip(per_round["msgspec"], per_round["json"])])
-        run["bodies"][name] = {"bytes": len(raw), "ms": {k: round(percentile(v, 50), 3) for k, v in per_round.items()},
-                               "rounds_ms": per_round, "msgspec_over_json": ratio}
-        print(f"{name:16} {len(raw):>9} B  msgspec {run['bodies'][name]['ms']['msgspec']:7.3f} ms  "
-              f"json {run['bodies'][name]['ms']['json']:7.3f} ms  ratio {ratio['median']} ({ratio['min']}-{ratio['max']})")
+        run["bodies"][name] = {
+            "bytes": len(raw),
+            "ms": {k: round(percentile(v, 50), 3) for k, v in per_round.items()},
+            "rounds_ms": per_round,
+            "msgspec_over_json": ratio,
+        }
+        print(
+            f"{name:16} {len(raw):>9} B  msgspec {run['bodies'][name]['ms']['msgspec']:7.3f} ms  "
+            f"json {run['bodies'][name]['ms']['json']:7.3f} ms  ratio {ratio['median']} ({ratio['min']}-{ratio['max']})"
+        )
     out = results.save(run, Path(args.out_dir) / "json_body.json", markdown(run))
     print(f"saved {out}")
     return 0
 
 
 def markdown(run: dict) -> str:
-    lines = ["# The ingress's body parse: msgspec against json.loads", "",
-             f"Commit `{run['commit']}`; {results.describe(run['machine'])}; {run['started']}.", "",
-             f"    {run['command']}", "",
-             "Milliseconds per parse_json_body (median of the rounds' medians); msgspec ÷ json: the median of the "
-             "rounds' ratios (range).", "",
-             "| body | bytes | msgspec | json.loads | msgspec ÷ json |", "|---|---|---|---|---|"]
+    lines = [
+        "# The ingress's body parse: msgspec against json.loads",
+        "",
+        f"Commit `{run['commit']}`; {results.describe(run['machine'])}; {run['started']}.",
+        "",
+        f"    {run['command']}",
+        "",
+        "Milliseconds per parse_json_body (median of the rounds' medians); msgspec ÷ json: the median of the "
+        "rounds' ratios (range).",
+        "",
+        "| body | bytes | msgspec | json.loads | msgspec ÷ json |",
+        "|---|---|---|---|---|",
+    ]
     for name, b in run["bodies"].items():
         r = b["msgspec_over_json"]
-        lines.append(f"| {name} | {b['bytes']} | {b['ms']['msgspec']:.3f} | {b['ms']['json']:.3f} | "
-                     f"{r['median']} ({r['min']}–{r['max']}) |")
+        lines.append(
+            f"| {name} | {b['bytes']} | {b['ms']['msgspec']:.3f} | {b['ms']['json']:.3f} | "
+            f"{r['median']} ({r['min']}–{r['max']}) |"
+        )
     return "\n".join(lines) + "\n"
 
 

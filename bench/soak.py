@@ -44,9 +44,13 @@ def mixed_conversations(seed: int):
     index = itertools.count()
     for round_ in itertools.count():
         factory = WorkloadFactory(seed=seed * 100_000 + round_, small_px=128)
-        round_convs = (factory.unique(8).conversations + factory.zipf(16).conversations
-                       + factory.multiturn(9).conversations + factory.upload_free(8).conversations
-                       + factory.text(8).conversations)
+        round_convs = (
+            factory.unique(8).conversations
+            + factory.zipf(16).conversations
+            + factory.multiturn(9).conversations
+            + factory.upload_free(8).conversations
+            + factory.text(8).conversations
+        )
         random.Random(round_).shuffle(round_convs)
         for conv in round_convs:
             yield next(index), conv
@@ -65,8 +69,12 @@ def rss_growth(samples: list[dict], warmup_s: float, window_s: float = WINDOW_S)
         first = [r for t, r in points if t <= warmup_s + window_s]
         last = [r for t, r in points if t >= end - window_s]
         start_mb, end_mb = percentile(first, 50) / 2**20, percentile(last, 50) / 2**20
-        out[name] = {"start_mb": round(start_mb, 1), "end_mb": round(end_mb, 1),
-                     "growth": round(end_mb / start_mb - 1, 4), "samples": len(points)}
+        out[name] = {
+            "start_mb": round(start_mb, 1),
+            "end_mb": round(end_mb, 1),
+            "growth": round(end_mb / start_mb - 1, 4),
+            "samples": len(points),
+        }
     return out
 
 
@@ -80,9 +88,17 @@ def latency_over_time(records: list[RequestRecord], bin_s: float) -> list[dict]:
         ok = [r for r in bins[b] if r.ok]
         lat = [r.latency_s for r in ok]
         ttft = [r.ttft_s for r in ok]
-        out.append({"t": b * bin_s, "requests": len(bins[b]), "errors": len(bins[b]) - len(ok),
-                    "latency_p50": percentile(lat, 50), "latency_p95": percentile(lat, 95),
-                    "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95)})
+        out.append(
+            {
+                "t": b * bin_s,
+                "requests": len(bins[b]),
+                "errors": len(bins[b]) - len(ok),
+                "latency_p50": percentile(lat, 50),
+                "latency_p95": percentile(lat, 95),
+                "ttft_p50": percentile(ttft, 50),
+                "ttft_p95": percentile(ttft, 95),
+            }
+        )
     return out
 
 
@@ -115,8 +131,9 @@ async def _run(system, minutes: float, concurrency: int, sample_s: float, seed: 
     samples: list[dict] = []
     deadline = time.monotonic() + minutes * 60
     client = LoadClient(system.base_urls, systems.SERVED_NAME, timeout_s=300)
-    load = asyncio.ensure_future(client.closed_loop_until(
-        mixed_conversations(seed), 16, concurrency, lambda: time.monotonic() >= deadline))
+    load = asyncio.ensure_future(
+        client.closed_loop_until(mixed_conversations(seed), 16, concurrency, lambda: time.monotonic() >= deadline)
+    )
     t0 = time.perf_counter()
     while not load.done():
         t = time.perf_counter() - t0
@@ -174,11 +191,11 @@ def main(argv: list[str]) -> int:
     checkpoint = resolve_model(args.model)
     dtype = checkpoint_dtype(checkpoint)
     warmup_s = args.warmup_s if args.warmup_s is not None else args.minutes * 60 / 5
-    system = systems.start("iris", 1, systems.EngineSettings(checkpoint, dtype),
-                           Path(tempfile.mkdtemp(prefix="iris-soak-logs-")))
+    system = systems.start(
+        "iris", 1, systems.EngineSettings(checkpoint, dtype), Path(tempfile.mkdtemp(prefix="iris-soak-logs-"))
+    )
     try:
-        records, duration, samples = asyncio.run(_run(system, args.minutes, args.concurrency, args.sample_s,
-                                                      args.seed))
+        records, duration, samples = asyncio.run(_run(system, args.minutes, args.concurrency, args.sample_s, args.seed))
         import redis
 
         cache = system.meta["config"]["applications"][0]["args"]["cache"]
@@ -203,12 +220,26 @@ def main(argv: list[str]) -> int:
     checks = verdict(growth, len(errors), keys, locks_after_drain)
     out = Path(args.out)
     result = {
-        **record, "model": args.model, "concurrency": args.concurrency, "duration_s": round(duration, 1),
-        "warmup_s": warmup_s, "requests": len(records), "errors": len(errors), "error_samples": errors[:5],
-        "checks": checks, "passed": all(checks.values()), "rss_growth": growth,
-        "redis": {**keys, "lock_keys": keys["lock_keys"][:20], "keys_without_ttl": keys["keys_without_ttl"][:20],
-                  "locks_2s_after_drain": locks_2s_after_drain, "locks_after_drain": locks_after_drain},
-        "latency_over_time": latency, "rss_samples": samples,
+        **record,
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "duration_s": round(duration, 1),
+        "warmup_s": warmup_s,
+        "requests": len(records),
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "checks": checks,
+        "passed": all(checks.values()),
+        "rss_growth": growth,
+        "redis": {
+            **keys,
+            "lock_keys": keys["lock_keys"][:20],
+            "keys_without_ttl": keys["keys_without_ttl"][:20],
+            "locks_2s_after_drain": locks_2s_after_drain,
+            "locks_after_drain": locks_after_drain,
+        },
+        "latency_over_time": latency,
+        "rss_samples": samples,
     }
     results.save(result, out)
     plot(out.with_suffix(".png"), samples, latency, warmup_s)

@@ -77,41 +77,58 @@ def summarise(per_request: list[list[tuple[str, str, float]]]) -> dict:
     for segments in per_request:
         for a, b, ms in segments:
             by_segment.setdefault((a, b), []).append(ms)
-    rows = [{"from": a, "to": b, "what": SEGMENT_NAMES[a], "median_ms": round(percentile(v, 50), 1),
-             "requests": len(v)} for (a, b), v in sorted(by_segment.items(), key=lambda kv: ORDER[kv[0][0]])]
+    rows = [
+        {"from": a, "to": b, "what": SEGMENT_NAMES[a], "median_ms": round(percentile(v, 50), 1), "requests": len(v)}
+        for (a, b), v in sorted(by_segment.items(), key=lambda kv: ORDER[kv[0][0]])
+    ]
     totals = [sum(ms for _, _, ms in segments) for segments in per_request]
-    return {"segments": rows, "ttft_median_ms": round(percentile(totals, 50), 1) if totals else None,
-            "requests": len(per_request)}
+    return {
+        "segments": rows,
+        "ttft_median_ms": round(percentile(totals, 50), 1) if totals else None,
+        "requests": len(per_request),
+    }
 
 
 def run_kind(client: LoadClient, workload, trace: Path, skip_first: int = 0) -> dict:
     t0_wall, t0 = time.time(), time.perf_counter()
     records, _ = asyncio.run(client.closed_loop(workload, 1, t0=t0))
     marks = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-    per_request = [request_segments(marks, t0_wall + r.start_s, t0_wall + r.start_s + r.ttft_s)
-                   for r in sorted(records, key=lambda r: r.start_s)[skip_first:] if r.ok]
+    per_request = [
+        request_segments(marks, t0_wall + r.start_s, t0_wall + r.start_s + r.ttft_s)
+        for r in sorted(records, key=lambda r: r.start_s)[skip_first:]
+        if r.ok
+    ]
     failed = sum(not r.ok for r in records)
     return {**summarise(per_request), "failed": failed, "description": workload.description}
 
 
 def markdown(run: dict) -> str:
     kinds = list(run["kinds"])
-    lines = [f"# Where an Iris request's time goes ({run['model']})", "",
-             f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.", "",
-             f"    {run['command']}", "",
-             "Median milliseconds per segment, from the client's send to its first token, one request at a "
-             "time. A blank cell: that kind of request does not cross the segment.", "",
-             "| segment | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    lines = [
+        f"# Where an Iris request's time goes ({run['model']})",
+        "",
+        f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}.",
+        "",
+        f"    {run['command']}",
+        "",
+        "Median milliseconds per segment, from the client's send to its first token, one request at a "
+        "time. A blank cell: that kind of request does not cross the segment.",
+        "",
+        "| segment | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
     cells: dict[tuple[str, str], dict[str, float]] = {}
     for kind in kinds:
         for row in run["kinds"][kind]["segments"]:
             cells.setdefault((row["from"], row["to"]), {})[kind] = row["median_ms"]
     for (a, b), by_kind in sorted(cells.items(), key=lambda kv: (ORDER[kv[0][0]], ORDER[kv[0][1]])):
         label = SEGMENT_NAMES[a] if ORDER[b] == ORDER[a] + 1 else f"{a} → {b}"
-        lines.append(f"| {label} | " + " | ".join(f"{by_kind[k]:.1f}" if k in by_kind else "" for k in kinds)
-                     + " |")
-    lines.append("| **TTFT at the client (median)** | " + " | ".join(
-        f"**{run['kinds'][k]['ttft_median_ms']:.1f}**" for k in kinds) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{by_kind[k]:.1f}" if k in by_kind else "" for k in kinds) + " |")
+    lines.append(
+        "| **TTFT at the client (median)** | "
+        + " | ".join(f"**{run['kinds'][k]['ttft_median_ms']:.1f}**" for k in kinds)
+        + " |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -119,10 +136,17 @@ def main(argv: list[str]) -> None:
     parser = results.parser("stage-timeline", __doc__)
     parser.add_argument("--model", default="builtin:bench-llava")
     parser.add_argument("--requests", type=int, default=16, help="requests per kind")
-    parser.add_argument("--video", action="store_true", help="new and repeated clips instead (a model that "
-                        "takes video, e.g. builtin:tiny-qwen2-vl)")
-    parser.add_argument("--system", default="iris", choices=("iris", "iris-haproxy"),
-                        help="iris-haproxy: behind Ray Serve's HAProxy, straight to the Ingress replica's own port")
+    parser.add_argument(
+        "--video",
+        action="store_true",
+        help="new and repeated clips instead (a model that takes video, e.g. builtin:tiny-qwen2-vl)",
+    )
+    parser.add_argument(
+        "--system",
+        default="iris",
+        choices=("iris", "iris-haproxy"),
+        help="iris-haproxy: behind Ray Serve's HAProxy, straight to the Ingress replica's own port",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="stage_timeline")
     parser.add_argument("--out-dir", default=str(results.RESULTS_DIR))
@@ -135,8 +159,12 @@ def main(argv: list[str]) -> None:
     factory = WorkloadFactory(args.seed, max_tokens=16)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-timeline-"))
     trace = log_dir / "stage_trace.jsonl"
-    run = {**results.provenance(results.command_line("stage-timeline", argv)), "model": args.model,
-           "system": args.system, "kinds": {}}
+    run = {
+        **results.provenance(results.command_line("stage-timeline", argv)),
+        "model": args.model,
+        "system": args.system,
+        "kinds": {},
+    }
     system = systems.start(args.system, 1, engine, log_dir, env={"IRIS_STAGE_TRACE": str(trace)})
     try:
         client = LoadClient(system.base_urls, systems.SERVED_NAME)
@@ -149,7 +177,8 @@ def main(argv: list[str]) -> None:
             run["kinds"]["new image"] = run_kind(client, factory.unique(n), trace)
             run["kinds"]["repeated image"] = run_kind(client, factory.repeat(n + 1), trace, skip_first=1)
             run["kinds"]["text, same tokens"] = run_kind(
-                client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace)
+                client, factory.text_as_image(n, image_prompt_chars(checkpoint, factory.small_px)), trace
+            )
     finally:
         system.stop()
     results.save(run, Path(args.out_dir) / f"{args.name}.json", markdown(run))

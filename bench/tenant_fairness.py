@@ -41,8 +41,14 @@ PINNED = {"Preprocess": {"autoscaling_config": {"min_replicas": 1, "max_replicas
 KEYS = {"a": "Bearer bench-tenant-a", "b": "Bearer bench-tenant-b"}
 
 
-async def measure_b(system: systems.RunningSystem, factory: WorkloadFactory, n: int, flood_clients: int,
-                    flood_label: int, settle_s: float) -> tuple[list[RequestRecord], list[RequestRecord], float]:
+async def measure_b(
+    system: systems.RunningSystem,
+    factory: WorkloadFactory,
+    n: int,
+    flood_clients: int,
+    flood_label: int,
+    settle_s: float,
+) -> tuple[list[RequestRecord], list[RequestRecord], float]:
     """B's n sequential requests (new small images), with A flooding from flood_clients clients (0:
     A idle). Returns B's records, A's, and A's duration."""
     b = LoadClient(system.base_urls, systems.SERVED_NAME, headers={"Authorization": KEYS["b"]})
@@ -50,8 +56,9 @@ async def measure_b(system: systems.RunningSystem, factory: WorkloadFactory, n: 
     flood_task, stop = None, False
     if flood_clients:
         flood = large_image_workload(factory, n=100_000, first_label=flood_label)
-        flood_task = asyncio.create_task(a.closed_loop_until(enumerate(flood.conversations), flood.max_tokens,
-                                                             flood_clients, lambda: stop))
+        flood_task = asyncio.create_task(
+            a.closed_loop_until(enumerate(flood.conversations), flood.max_tokens, flood_clients, lambda: stop)
+        )
         await asyncio.sleep(settle_s)  # A's queue builds up in the stages first
     b_records, _ = await b.closed_loop(factory.unique(n), 1)
     a_records, a_seconds = [], 0.0
@@ -73,22 +80,38 @@ def run_round(round_index: int, order: list[str], running: dict[str, systems.Run
         row = {}
         for phase, clients in (("alone", 0), ("flood", args.flood_clients)):
             # New images for every round, system and phase: nothing is cached from before.
-            seed = hash_str(f"{round_index}:{mode}:{phase}") % 10 ** 6
+            seed = hash_str(f"{round_index}:{mode}:{phase}") % 10**6
             factory = WorkloadFactory(seed=seed, max_tokens=args.max_tokens)
-            b_records, a_records, a_seconds = asyncio.run(measure_b(
-                system, factory, args.b_requests, clients, flood_label=10 ** 7 * (round_index + 1),
-                settle_s=args.settle_s))
-            row[phase] = {"b_ttft_p50_ms": _p50_ms(b_records), "b_ok": sum(r.ok for r in b_records),
-                          "b_failed": sum(not r.ok for r in b_records),
-                          "b_ttft_ms": [round(r.ttft_s * 1000, 1) for r in b_records if r.ok]}
+            b_records, a_records, a_seconds = asyncio.run(
+                measure_b(
+                    system,
+                    factory,
+                    args.b_requests,
+                    clients,
+                    flood_label=10**7 * (round_index + 1),
+                    settle_s=args.settle_s,
+                )
+            )
+            row[phase] = {
+                "b_ttft_p50_ms": _p50_ms(b_records),
+                "b_ok": sum(r.ok for r in b_records),
+                "b_failed": sum(not r.ok for r in b_records),
+                "b_ttft_ms": [round(r.ttft_s * 1000, 1) for r in b_records if r.ok],
+            }
             if clients:
-                row[phase].update({"a_requests_ok": sum(r.ok for r in a_records),
-                                   "a_failed": sum(not r.ok for r in a_records),
-                                   "a_images_per_s": round(sum(r.ok for r in a_records) / a_seconds, 2)
-                                   if a_seconds else None,
-                                   "a_ttft_p50_ms": _p50_ms(a_records)})
-            print(f"round {round_index} {mode:>4} {phase:>5}: B p50 TTFT {row[phase]['b_ttft_p50_ms']} ms"
-                  + (f", A {row[phase]['a_images_per_s']} img/s" if clients else ""), flush=True)
+                row[phase].update(
+                    {
+                        "a_requests_ok": sum(r.ok for r in a_records),
+                        "a_failed": sum(not r.ok for r in a_records),
+                        "a_images_per_s": round(sum(r.ok for r in a_records) / a_seconds, 2) if a_seconds else None,
+                        "a_ttft_p50_ms": _p50_ms(a_records),
+                    }
+                )
+            print(
+                f"round {round_index} {mode:>4} {phase:>5}: B p50 TTFT {row[phase]['b_ttft_p50_ms']} ms"
+                + (f", A {row[phase]['a_images_per_s']} img/s" if clients else ""),
+                flush=True,
+            )
         out[mode] = row
     fair, fifo = out["fair"]["flood"]["b_ttft_p50_ms"], out["fifo"]["flood"]["b_ttft_p50_ms"]
     out["b_flood_fair_over_fifo"] = round(fair / fifo, 3) if fair and fifo else None
@@ -98,9 +121,15 @@ def run_round(round_index: int, order: list[str], running: dict[str, systems.Run
 def summarise(rounds: list[dict]) -> dict:
     return {
         "b_flood_fair_over_fifo": median_and_range([r["b_flood_fair_over_fifo"] for r in rounds]),
-        **{f"b_{phase}_{mode}_p50_ms": median_and_range([r[mode][phase]["b_ttft_p50_ms"] for r in rounds])
-           for mode in MODES for phase in ("alone", "flood")},
-        **{f"a_images_per_s_{mode}": median_and_range([r[mode]["flood"]["a_images_per_s"] for r in rounds]) for mode in MODES},
+        **{
+            f"b_{phase}_{mode}_p50_ms": median_and_range([r[mode][phase]["b_ttft_p50_ms"] for r in rounds])
+            for mode in MODES
+            for phase in ("alone", "flood")
+        },
+        **{
+            f"a_images_per_s_{mode}": median_and_range([r[mode]["flood"]["a_images_per_s"] for r in rounds])
+            for mode in MODES
+        },
         "target_met": None,  # set below: the median ratio at most 0.5
     }
 
@@ -111,20 +140,32 @@ def fmt(value, digits: int = 0) -> str:
 
 def markdown(run: dict) -> str:
     s = run["summary"]
-    lines = [f"# Tenant fairness ({results.label(run['machine'])}, {run['model']}, commit {run['commit']})", "",
-             f"Tenant A: {run['flood_clients']} clients of new 4000x3000 JPEGs; tenant B: one new "
-             f"{run['b_px']}px image at a time, {run['b_requests']} requests per phase; {len(run['rounds'])} rounds, "
-             "systems alternating. p50 of B's TTFT per phase, median over rounds (min-max).", "",
-             "| B's TTFT p50 (ms) | fair sharing | first come, first served |", "|---|---|---|"]
+    lines = [
+        f"# Tenant fairness ({results.label(run['machine'])}, {run['model']}, commit {run['commit']})",
+        "",
+        f"Tenant A: {run['flood_clients']} clients of new 4000x3000 JPEGs; tenant B: one new "
+        f"{run['b_px']}px image at a time, {run['b_requests']} requests per phase; {len(run['rounds'])} rounds, "
+        "systems alternating. p50 of B's TTFT per phase, median over rounds (min-max).",
+        "",
+        "| B's TTFT p50 (ms) | fair sharing | first come, first served |",
+        "|---|---|---|",
+    ]
     for phase, what in (("alone", "A idle"), ("flood", "under A's flood")):
-        cells = [f"{fmt(s[f'b_{phase}_{m}_p50_ms']['median'])} ({fmt(s[f'b_{phase}_{m}_p50_ms']['min'])}-"
-                 f"{fmt(s[f'b_{phase}_{m}_p50_ms']['max'])})" for m in MODES]
+        cells = [
+            f"{fmt(s[f'b_{phase}_{m}_p50_ms']['median'])} ({fmt(s[f'b_{phase}_{m}_p50_ms']['min'])}-"
+            f"{fmt(s[f'b_{phase}_{m}_p50_ms']['max'])})"
+            for m in MODES
+        ]
         lines.append(f"| {what} | {cells[0]} | {cells[1]} |")
     a = [f"{fmt(s[f'a_images_per_s_{m}']['median'], 2)}" for m in MODES]
     lines.append(f"| A's images/s during the flood | {a[0]} | {a[1]} |")
     r = s["b_flood_fair_over_fifo"]
-    lines += ["", f"B under the flood, fair ÷ first come first served, per round: median **{fmt(r['median'], 2)}** "
-              f"({fmt(r['min'], 2)}-{fmt(r['max'], 2)}); target ≤ 0.5: {'met' if s['target_met'] else 'missed'}.", ""]
+    lines += [
+        "",
+        f"B under the flood, fair ÷ first come first served, per round: median **{fmt(r['median'], 2)}** "
+        f"({fmt(r['min'], 2)}-{fmt(r['max'], 2)}); target ≤ 0.5: {'met' if s['target_met'] else 'missed'}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -149,15 +190,23 @@ def main(argv: list[str]) -> None:
     for conv in WorkloadFactory(0).large(8).conversations:  # draw A's photos now, not during a phase
         jpeg_body_b64(conv.turns[0].image)
     log_dir = Path(tempfile.mkdtemp(prefix="iris-tenants-"))
-    run = {**results.provenance(results.command_line("tenants", argv)), "model": args.model,
-           "flood_clients": args.flood_clients, "b_requests": args.b_requests, "b_px": WorkloadFactory().small_px,
-           "logs": str(log_dir), "modes": MODES, "deployments": PINNED}
+    run = {
+        **results.provenance(results.command_line("tenants", argv)),
+        "model": args.model,
+        "flood_clients": args.flood_clients,
+        "b_requests": args.b_requests,
+        "b_px": WorkloadFactory().small_px,
+        "logs": str(log_dir),
+        "modes": MODES,
+        "deployments": PINNED,
+    }
     running: dict[str, systems.RunningSystem] = {}
     started = time.perf_counter()
     try:
         for mode, fair_sharing in MODES.items():
-            running[mode] = systems.start("iris", 1, engine, log_dir / mode, deployments=PINNED,
-                                          app_args={"fair_sharing": fair_sharing})
+            running[mode] = systems.start(
+                "iris", 1, engine, log_dir / mode, deployments=PINNED, app_args={"fair_sharing": fair_sharing}
+            )
             warm_up(LoadClient(running[mode].base_urls, systems.SERVED_NAME), WorkloadFactory(1))
         run["rounds"] = []
         for i in range(args.rounds):

@@ -53,13 +53,17 @@ def photo(seed: int, width: int = PHOTO_PX[0], height: int = PHOTO_PX[1]) -> byt
 
 def comparisons(iris: str, peers: list[str]) -> list[tuple[str, tuple[str, str], tuple[str, str]]]:
     """(what, numerator, denominator) pairs of (system, case) whose p50 TTFT ratio is reported."""
-    pairs = [("the client's id / plain upload, cached (Iris)", (iris, CLIENT_CACHED), (iris, CACHED)),
-             ("the client's miss+resend / plain upload, new (Iris)", (iris, CLIENT_MISS), (iris, NEW))]
+    pairs = [
+        ("the client's id / plain upload, cached (Iris)", (iris, CLIENT_CACHED), (iris, CACHED)),
+        ("the client's miss+resend / plain upload, new (Iris)", (iris, CLIENT_MISS), (iris, NEW)),
+    ]
     for peer in peers:
-        pairs += [(f"Iris's client, cached / {peer}, the same photo's bytes", (iris, CLIENT_CACHED), (peer, CACHED)),
-                  (f"Iris plain, cached / {peer}, the same photo's bytes", (iris, CACHED), (peer, CACHED)),
-                  (f"Iris's client, miss+resend / {peer}, a new photo", (iris, CLIENT_MISS), (peer, NEW)),
-                  (f"Iris plain, new / {peer}, a new photo", (iris, NEW), (peer, NEW))]
+        pairs += [
+            (f"Iris's client, cached / {peer}, the same photo's bytes", (iris, CLIENT_CACHED), (peer, CACHED)),
+            (f"Iris plain, cached / {peer}, the same photo's bytes", (iris, CACHED), (peer, CACHED)),
+            (f"Iris's client, miss+resend / {peer}, a new photo", (iris, CLIENT_MISS), (peer, NEW)),
+            (f"Iris plain, new / {peer}, a new photo", (iris, NEW), (peer, NEW)),
+        ]
     return pairs
 
 
@@ -87,8 +91,9 @@ class Caller:
         from iris_client import IrisClient, SentKeys
 
         self.wire = Wire()
-        self.plain = openai.OpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0,
-                                   http_client=self.wire.http)
+        self.plain = openai.OpenAI(
+            base_url=f"{base_url}/v1", api_key="bench", max_retries=0, http_client=self.wire.http
+        )
         self.sent = SentKeys()
         self.client = IrisClient(openai_client=self.plain, sent=self.sent)
 
@@ -112,16 +117,18 @@ class Caller:
             part = {"type": "image_url", "image_url": {"url": data_url(png)}}
         messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
         create = (self.client if through_client else self.plain).chat.completions.create
-        stream = create(model=systems.SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                        stream=True)
+        stream = create(model=systems.SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
         ttft = None
         for chunk in stream:  # read to the end: the connection goes back to the pool for the next request
             if ttft is None and chunk.choices:
                 ttft = time.perf_counter() - start
         if ttft is None:
             raise RuntimeError("the stream ended without a chunk with choices")
-        return {"ttft_s": ttft, "wire_bytes": self.wire.take(),
-                "attempts": getattr(getattr(stream, "iris", None), "attempts", 1)}
+        return {
+            "ttft_s": ttft,
+            "wire_bytes": self.wire.take(),
+            "attempts": getattr(getattr(stream, "iris", None), "attempts", 1),
+        }
 
 
 def run_case(caller: Caller, case: str, photos: list[bytes]) -> dict:
@@ -141,11 +148,16 @@ def case_result(records: list[dict], requests: int, errors: list[str] = ()) -> d
     """A case's figures from its requests' records (ttft_s, wire_bytes, attempts)."""
     ttfts = [r["ttft_s"] for r in records]
     sizes = [r["wire_bytes"] for r in records]
-    return {"requests": requests, "ok": len(records), "failed": requests - len(records), "errors": list(errors)[:3],
-            "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1) if ttfts else None,
-            "ttft_ms": [round(t * 1000, 1) for t in ttfts],
-            "wire_bytes_per_request": round(sum(sizes) / len(sizes)) if sizes else None,
-            "resends": sum(r["attempts"] > 1 for r in records)}
+    return {
+        "requests": requests,
+        "ok": len(records),
+        "failed": requests - len(records),
+        "errors": list(errors)[:3],
+        "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1) if ttfts else None,
+        "ttft_ms": [round(t * 1000, 1) for t in ttfts],
+        "wire_bytes_per_request": round(sum(sizes) / len(sizes)) if sizes else None,
+        "resends": sum(r["attempts"] > 1 for r in records),
+    }
 
 
 def summarise(rounds: list[dict], iris: str, peers: list[str]) -> dict:
@@ -159,8 +171,10 @@ def summarise(rounds: list[dict], iris: str, peers: list[str]) -> dict:
             cases.setdefault(system, {})[case] = {
                 "ttft_p50_ms": median_and_range([c["ttft_p50_ms"] for c in done], 1),
                 "wire_bytes_per_request": median_and_range([c["wire_bytes_per_request"] for c in done], 0),
-                "requests": sum(c["requests"] for c in done), "failed": sum(c["failed"] for c in done),
-                "resends": sum(c["resends"] for c in done)}
+                "requests": sum(c["requests"] for c in done),
+                "failed": sum(c["failed"] for c in done),
+                "resends": sum(c["resends"] for c in done),
+            }
     ratios = []
     for what, (num_system, num_case), (den_system, den_case) in comparisons(iris, peers):
         ttft, wire = [], []
@@ -170,9 +184,16 @@ def summarise(rounds: list[dict], iris: str, peers: list[str]) -> dict:
             if num.get("ttft_p50_ms") and den.get("ttft_p50_ms"):
                 ttft.append(num["ttft_p50_ms"] / den["ttft_p50_ms"])
                 wire.append(num["wire_bytes_per_request"] / den["wire_bytes_per_request"])
-        ratios.append({"what": what, "numerator": [num_system, num_case], "denominator": [den_system, den_case],
-                       "rounds": len(ttft), "ttft_p50": median_and_range(ttft),
-                       "wire_bytes": median_and_range(wire, 4)})
+        ratios.append(
+            {
+                "what": what,
+                "numerator": [num_system, num_case],
+                "denominator": [den_system, den_case],
+                "rounds": len(ttft),
+                "ttft_p50": median_and_range(ttft),
+                "wire_bytes": median_and_range(wire, 4),
+            }
+        )
     return {"cases": cases, "ratios": ratios}
 
 
@@ -184,23 +205,36 @@ def _range(stat: dict, fmt: str) -> str:
 
 def markdown(run: dict) -> str:
     summary = run["summary"]
-    lines = [f"# Upload-free requests with iris_client ({run['model']})", "",
-             f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}; "
-             f"{run['duration_s'] / 60:.1f} min in all.", "",
-             f"    {run['command']}", "",
-             f"One streamed request at a time, {run['requests']} per case, system and round, {run['rounds']} rounds "
-             f"(the systems up side by side, taking turns, the others paused: {run['pause_idle']}); photos of "
-             f"{run['photo_bytes'] / 1e6:.2f} MB ({run['photo_px'][0]}x{run['photo_px'][1]} JPEG), "
-             f"max_tokens {MAX_TOKENS}. Figures: the median of the rounds' (their range).", "",
-             "| system | case | request bytes on the wire | p50 TTFT (ms) | requests | failed | resends |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Upload-free requests with iris_client ({run['model']})",
+        "",
+        f"Commit `{run['commit']}`; {run['machine']['description']}; {run['started']}; "
+        f"{run['duration_s'] / 60:.1f} min in all.",
+        "",
+        f"    {run['command']}",
+        "",
+        f"One streamed request at a time, {run['requests']} per case, system and round, {run['rounds']} rounds "
+        f"(the systems up side by side, taking turns, the others paused: {run['pause_idle']}); photos of "
+        f"{run['photo_bytes'] / 1e6:.2f} MB ({run['photo_px'][0]}x{run['photo_px'][1]} JPEG), "
+        f"max_tokens {MAX_TOKENS}. Figures: the median of the rounds' (their range).",
+        "",
+        "| system | case | request bytes on the wire | p50 TTFT (ms) | requests | failed | resends |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for system, cases in summary["cases"].items():
         for case, c in cases.items():
             wire = c["wire_bytes_per_request"]["median"]
-            lines.append(f"| {system} | {case} | {'–' if wire is None else f'{wire:,.0f}'} "
-                         f"| {_range(c['ttft_p50_ms'], '.0f')} | {c['requests']} | {c['failed']} | {c['resends']} |")
-    lines += ["", "Ratios, per round then the median of the rounds' (range):", "",
-              "| comparison | p50 TTFT | request bytes |", "|---|---|---|"]
+            lines.append(
+                f"| {system} | {case} | {'–' if wire is None else f'{wire:,.0f}'} "
+                f"| {_range(c['ttft_p50_ms'], '.0f')} | {c['requests']} | {c['failed']} | {c['resends']} |"
+            )
+    lines += [
+        "",
+        "Ratios, per round then the median of the rounds' (range):",
+        "",
+        "| comparison | p50 TTFT | request bytes |",
+        "|---|---|---|",
+    ]
     for ratio in summary["ratios"]:
         lines.append(f"| {ratio['what']} | {_range(ratio['ttft_p50'], '.2f')} | {_range(ratio['wire_bytes'], '.4f')} |")
     problems = [f"- {s['system']}: {s['error'][:300]}" for s in run["starts"] if "error" in s]
@@ -218,8 +252,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iris", default="iris-haproxy", help="the Iris system (bench/harness/systems.py)")
     parser.add_argument("--peers", default="", help="comma-separated: vllm, rayllm (bytes every time)")
     parser.add_argument("--no-pause-idle", action="store_true", help="leave the systems not being measured running")
-    parser.add_argument("--eager", action="store_true", help="engines without torch.compile (quicker starts; "
-                        "smoke tests, not figures)")
+    parser.add_argument(
+        "--eager", action="store_true", help="engines without torch.compile (quicker starts; smoke tests, not figures)"
+    )
     parser.add_argument("--ignore-memory-estimate", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="upload_free")
@@ -230,8 +265,9 @@ def main(argv: list[str]) -> int:
 
     peers = [p for p in args.peers.split(",") if p]
     names = [args.iris, *peers]
-    if not args.iris.startswith("iris") or any(systems.base_system(n) not in systems.SYSTEMS or n.startswith("iris")
-                                               for n in peers):
+    if not args.iris.startswith("iris") or any(
+        systems.base_system(n) not in systems.SYSTEMS or n.startswith("iris") for n in peers
+    ):
         raise SystemExit(f"--iris: an Iris system; --peers: others of {', '.join(systems.SYSTEMS)}")
     checkpoint = resolve_model(args.model)
     engine = systems.EngineSettings(checkpoint, checkpoint_dtype(checkpoint), max_images=1, eager=args.eager)
@@ -242,16 +278,31 @@ def main(argv: list[str]) -> int:
         print(refused, file=sys.stderr)
         return 2
     out = Path(args.out_dir)
-    run = {**results.provenance(results.command_line("upload_free", argv)), "model": args.model,
-           "checkpoint": checkpoint, "requests": args.requests, "rounds": args.rounds, "systems": names,
-           "pause_idle": not args.no_pause_idle, "photo_px": list(PHOTO_PX), "memory": memory, "starts": [],
-           "per_round": [], "duration_s": 0.0}
+    run = {
+        **results.provenance(results.command_line("upload_free", argv)),
+        "model": args.model,
+        "checkpoint": checkpoint,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "systems": names,
+        "pause_idle": not args.no_pause_idle,
+        "photo_px": list(PHOTO_PX),
+        "memory": memory,
+        "starts": [],
+        "per_round": [],
+        "duration_s": 0.0,
+    }
     # Every photo made before any system starts: drawing a 6 MP picture takes a core for a second.
     plan = []
     for r in range(args.rounds):
         base = args.seed * 100_000 + r * 1000
-        plan.append({"cached": photo(base), "new": [photo(base + 1 + i) for i in range(args.requests)],
-                     "miss": [photo(base + 500 + i) for i in range(args.requests)]})
+        plan.append(
+            {
+                "cached": photo(base),
+                "new": [photo(base + 1 + i) for i in range(args.requests)],
+                "miss": [photo(base + 500 + i) for i in range(args.requests)],
+            }
+        )
     sizes = [len(p) for r in plan for p in [r["cached"], *r["new"], *r["miss"]]]
     run["photo_bytes"] = round(sum(sizes) / len(sizes))
     t0 = time.monotonic()
@@ -274,7 +325,7 @@ def main(argv: list[str]) -> int:
             run["starts"].append({"system": name, "start_s": round(system.start_s, 1), "warm_up": len(warm)})
             watches[name] = liveness.Watch(system)
         for r, photos in enumerate(plan):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             record = {"round": r, "order": order, "results": {}, "broken": []}
             for case in IRIS_CASES:
                 for name in order:
@@ -289,8 +340,12 @@ def main(argv: list[str]) -> int:
                         # The round's cached photo, stored once through the client (it then knows it sent).
                         caller.ask(photos["cached"], through_client=name == args.iris)
                     print(f"round {r + 1}/{args.rounds}: {name}, {case}", file=sys.stderr, flush=True)
-                    batch = {CACHED: [photos["cached"]] * args.requests, CLIENT_CACHED: [photos["cached"]] *
-                             args.requests, NEW: photos["new"], CLIENT_MISS: photos["miss"]}[case]
+                    batch = {
+                        CACHED: [photos["cached"]] * args.requests,
+                        CLIENT_CACHED: [photos["cached"]] * args.requests,
+                        NEW: photos["new"],
+                        CLIENT_MISS: photos["miss"],
+                    }[case]
                     with systems.measured_alone(running, name, not args.no_pause_idle):
                         record["results"].setdefault(name, {})[case] = run_case(caller, case, batch)
             run["per_round"].append(record)

@@ -61,8 +61,14 @@ def bench_family(family: str, repeats: int) -> dict:
     processor = AutoProcessor.from_pretrained(checkpoint)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    llm = LLM(checkpoint, dtype=str(vision.dtype).removeprefix("torch."), enable_mm_embeds=True,
-              enable_prefix_caching=False, max_model_len=2048, seed=0)
+    llm = LLM(
+        checkpoint,
+        dtype=str(vision.dtype).removeprefix("torch."),
+        enable_mm_embeds=True,
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        seed=0,
+    )
     params = SamplingParams(temperature=0, max_tokens=1)
     embeds = {"prompt": prompt, "multi_modal_data": {"image": vision.embedding_input(features)}}
     fresh = iter([Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)) for _ in range(repeats + 1)])
@@ -88,12 +94,16 @@ def main(argv: list[str]) -> None:
     record = results.provenance(results.command_line("vision-vs-prefill", argv))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     by_family = {family: bench_family(family, args.repeats) for family in args.families}
-    print(f"{'family':10} {'tokens':>6} {'preproc ms':>10} {'vision ms':>9} {'prefill ms':>10} "
-          f"{'vLLM cold ms':>12} {'vLLM warm ms':>12} {'vision/prefill':>14}")
+    print(
+        f"{'family':10} {'tokens':>6} {'preproc ms':>10} {'vision ms':>9} {'prefill ms':>10} "
+        f"{'vLLM cold ms':>12} {'vLLM warm ms':>12} {'vision/prefill':>14}"
+    )
     for family, r in by_family.items():
-        print(f"{family:10} {r['visual_tokens']:>6} {r['preprocess_ms']:>10.1f} "
-              f"{r['vision_ms']:>9.1f} {r['prefill_ms']:>10.1f} {r['vllm_pixels_cold_ms']:>12.1f} "
-              f"{r['vllm_pixels_warm_ms']:>12.1f} {r['vision_over_prefill']:>14.1f}")
+        print(
+            f"{family:10} {r['visual_tokens']:>6} {r['preprocess_ms']:>10.1f} "
+            f"{r['vision_ms']:>9.1f} {r['prefill_ms']:>10.1f} {r['vllm_pixels_cold_ms']:>12.1f} "
+            f"{r['vllm_pixels_warm_ms']:>12.1f} {r['vision_over_prefill']:>14.1f}"
+        )
     out = results.save({**record, "repeats": args.repeats, "results": by_family}, args.out)
     print(f"saved {out}")
 

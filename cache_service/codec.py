@@ -35,7 +35,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from cache_service.features import ALLOWED_DTYPES, Features
+from cache_service.features import Features
 
 MAGIC = b"IRF2"  # IRF1: the Arrow IPC layout before it (read as corrupt: deleted, recomputed)
 CHECKSUM_XXH3_64 = 1
@@ -43,9 +43,18 @@ HEADER = struct.Struct("<4sIQ")
 _META_KEY = "iris.meta"
 
 # The dtypes a value may hold, by their name in the safetensors header.
-DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-                                  "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-                                  "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+DTYPES: dict[str, torch.dtype] = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
 # Bounds on what a value read from Redis may declare, checked before anything is parsed or
 # allocated: Iris's own headers are a few hundred bytes, its meta a few fields, its tensors 1-4-d.
 MAX_HEADER_BYTES = 1 << 20
@@ -63,7 +72,7 @@ def encode(features: Features) -> bytearray:
     meta = json.dumps(features.meta, separators=(",", ":"), allow_nan=False)
     payload = safetensors.torch.save(tensors, metadata={_META_KEY: meta})
     out = bytearray(HEADER.size + len(payload))
-    out[HEADER.size:] = payload
+    out[HEADER.size :] = payload
     HEADER.pack_into(out, 0, MAGIC, CHECKSUM_XXH3_64, xxhash.xxh3_64_intdigest(payload))
     return out
 
@@ -79,7 +88,7 @@ def decode(data: bytes | bytearray | memoryview, *, copy: bool = False) -> Featu
     magic, algorithm, checksum = HEADER.unpack_from(view)
     if magic != MAGIC or algorithm != CHECKSUM_XXH3_64:
         raise CorruptValue("unknown value format")
-    if xxhash.xxh3_64_intdigest(view[HEADER.size:]) != checksum:
+    if xxhash.xxh3_64_intdigest(view[HEADER.size :]) != checksum:
         raise CorruptValue("checksum mismatch (truncated or garbled value)")
     try:
         return _decode_payload(view, copy)
@@ -99,7 +108,7 @@ def _decode_payload(view: memoryview, copy: bool) -> Features:
     data_start = HEADER.size + 8 + header_len
     if data_start > len(view):
         raise CorruptValue("safetensors header longer than the value")
-    header = _json(bytes(view[HEADER.size + 8:data_start]))
+    header = _json(bytes(view[HEADER.size + 8 : data_start]))
     if not isinstance(header, dict):
         raise CorruptValue("safetensors header is not an object")
     metadata = header.pop("__metadata__", None) or {}
@@ -135,11 +144,14 @@ def _tensor_info(name: str, info: object) -> tuple[torch.dtype, list[int], tuple
     if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
         raise CorruptValue(f"tensor {name!r}: bad entry")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and 0 <= d < 1 << 40 for d in shape)):
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(d) and 0 <= d < 1 << 40 for d in shape):
         raise CorruptValue(f"tensor {name!r}: bad shape {str(shape)[:100]}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets) \
-            or not 0 <= offsets[0] <= offsets[1]:
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
         raise CorruptValue(f"tensor {name!r}: bad byte range {str(offsets)[:100]}")
     return DTYPES[info["dtype"]], shape, (offsets[0], offsets[1])
 
@@ -150,6 +162,7 @@ def _is_int(x: object) -> bool:
 
 def _json(text: str | bytes) -> Any:
     """JSON as `encode` writes it: no NaN or Infinity (which Python's parser accepts)."""
+
     def refuse(constant: str):
         raise CorruptValue(f"non-standard JSON constant {constant}")
 

@@ -97,8 +97,11 @@ class FeatureCache:
             _, late = await asyncio.wait(background, timeout=timeout_s)
             if late:
                 self.counters.writes_dropped += len(late)
-                logger.warning("closing the feature cache: %d background writes unfinished after %.1f s, dropped",
-                               len(late), timeout_s)
+                logger.warning(
+                    "closing the feature cache: %d background writes unfinished after %.1f s, dropped",
+                    len(late),
+                    timeout_s,
+                )
                 for task in late:
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)
@@ -250,7 +253,10 @@ class FeatureCache:
     # -- single-flight --------------------------------------------------------
 
     async def get_or_compute_many(
-        self, keys: list[str], compute: Compute, write_behind: bool = False,
+        self,
+        keys: list[str],
+        compute: Compute,
+        write_behind: bool = False,
         admit: Callable[[], AbstractAsyncContextManager] | None = None,
     ) -> list[ComputeResult]:
         """Features for every key, computing the missing ones once cluster-wide.

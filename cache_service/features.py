@@ -11,8 +11,20 @@ from typing import Any
 import torch
 
 # The dtypes a Features may hold: what the codec can write (cache_service/codec.py's DTYPES).
-ALLOWED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
-                            torch.int16, torch.int32, torch.int64, torch.bool})
+ALLOWED_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 
 
 @dataclass
@@ -43,14 +55,14 @@ class Features:
 
     @property
     def modality(self) -> str:
-        """"image" or "video"; values written before videos existed are images."""
+        """ "image" or "video"; values written before videos existed are images."""
         return self.meta.get("modality", "image")
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def cpu(self) -> "Features":
+    def cpu(self) -> Features:
         """These features with every tensor in host memory (self when already there)."""
         if all(t.device.type == "cpu" for t in self.tensors.values()):
             return self

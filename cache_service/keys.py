@@ -52,7 +52,7 @@ MAX_TENANT_CHARS = 256
 MAX_FINGERPRINT_CHARS = 64
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,%d}" % MAX_FINGERPRINT_CHARS)
+_FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{1,{MAX_FINGERPRINT_CHARS}}}")
 
 
 def content_hash(data: bytes) -> str:
@@ -62,7 +62,10 @@ def content_hash(data: bytes) -> str:
 
 
 def content_key(
-    fingerprint: str, data: bytes, namespace: str = DEFAULT_NAMESPACE, tenant: str | None = None,
+    fingerprint: str,
+    data: bytes,
+    namespace: str = DEFAULT_NAMESPACE,
+    tenant: str | None = None,
     modality: str = "image",
 ) -> str:
     """Key of an image (or video) by its content: shared across tenants when `tenant` is None,
@@ -92,19 +95,26 @@ def content_uuid(data: bytes) -> str:
 def parse_content_uuid(uuid: str | None) -> str | None:
     """The hash a content uuid names; None for an ordinary uuid (or none). Raises
     InvalidContentUuid for a uuid in the reserved form that is not exactly blake3:<64 hex>."""
-    if not isinstance(uuid, str) or uuid[:len(CONTENT_UUID_PREFIX)].lower() != CONTENT_UUID_PREFIX:
+    if not isinstance(uuid, str) or uuid[: len(CONTENT_UUID_PREFIX)].lower() != CONTENT_UUID_PREFIX:
         return None
     match = _CONTENT_UUID_RE.fullmatch(uuid)
     if match is None:
         raise InvalidContentUuid(
             f"a uuid starting with {CONTENT_UUID_PREFIX!r} is a content key and must be "
-            f"{CONTENT_UUID_PREFIX}<64 lowercase hex digits of the blake3 hash of the bytes>, got {uuid[:80]!r}")
+            f"{CONTENT_UUID_PREFIX}<64 lowercase hex digits of the blake3 hash of the bytes>, got {uuid[:80]!r}"
+        )
     return match.group(1)
 
 
 def item_key(
-    fingerprint: str, tenant: str | None, uuid: str | None, data: bytes | None, *,
-    namespace: str = DEFAULT_NAMESPACE, modality: str = "image", content_owner: str | None = None,
+    fingerprint: str,
+    tenant: str | None,
+    uuid: str | None,
+    data: bytes | None,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    modality: str = "image",
+    content_owner: str | None = None,
 ) -> str:
     """The key of one request item: its uuid's key, the content key a content uuid names
     (checked against `data` when the bytes came too), or the content key of `data`.
@@ -117,8 +127,10 @@ def item_key(
     if data is not None:
         actual = content_hash(data)
         if digest is not None and actual != digest:
-            raise InvalidContentUuid(f"uuid {uuid!r} is not the blake3 hash of the bytes sent with it "
-                                     f"(they hash to {CONTENT_UUID_PREFIX}{actual})")
+            raise InvalidContentUuid(
+                f"uuid {uuid!r} is not the blake3 hash of the bytes sent with it "
+                f"(they hash to {CONTENT_UUID_PREFIX}{actual})"
+            )
         digest = actual
     if digest is None:
         raise ValueError("an item needs bytes or a uuid")

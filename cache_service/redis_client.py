@@ -53,18 +53,24 @@ def redacted(url: str | None) -> str | None:
 def connect(config: CacheConfig, client_name: str, **pool) -> Redis | RedisCluster:
     """A client of `config`'s Redis or Redis Cluster (`pool`: e.g. max_connections); redis-py
     uses hiredis to parse replies when it is installed (a dependency)."""
-    settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
-                    client_name=client_name, **pool)
+    settings = dict(
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_connect_timeout_s,
+        client_name=client_name,
+        **pool,
+    )
     if config.redis_cluster:
         # No retries inside redis-py: its retry closes every master's connections and
         # sleeps; a failing shard is its user's to mark down (the others keep serving).
         # MOVED/ASK are still followed.
-        return RedisCluster.from_url(config.connect_url(), retry=Retry(NoBackoff(), 0), require_full_coverage=False,
-                                     **settings)
+        return RedisCluster.from_url(
+            config.connect_url(), retry=Retry(NoBackoff(), 0), require_full_coverage=False, **settings
+        )
     # One immediate retry on a connection error covers a pooled connection that died with a
     # restarted server; timeouts are not retried, since a slow Redis should fail fast.
-    return Redis.from_url(config.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                          **settings)
+    return Redis.from_url(
+        config.connect_url(), retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **settings
+    )
 
 
 def connect_blocking(config: CacheConfig, client_name: str):
@@ -73,16 +79,20 @@ def connect_blocking(config: CacheConfig, client_name: str):
     import redis
     from redis.cluster import RedisCluster as BlockingCluster
 
-    settings = dict(socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_connect_timeout_s,
-                    client_name=client_name)
+    settings = dict(
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_connect_timeout_s,
+        client_name=client_name,
+    )
     from redis.backoff import NoBackoff
     from redis.retry import Retry as BlockingRetry
 
     if config.redis_cluster:
         # Without retry= redis-py's cluster client retries 3 times with backoff per command,
         # stalling vLLM's scheduler while a master is down; the caller backs off instead.
-        return BlockingCluster.from_url(config.connect_url(), require_full_coverage=False,
-                                        retry=BlockingRetry(NoBackoff(), 0), **settings)
+        return BlockingCluster.from_url(
+            config.connect_url(), require_full_coverage=False, retry=BlockingRetry(NoBackoff(), 0), **settings
+        )
     return redis.Redis.from_url(config.connect_url(), retry=BlockingRetry(NoBackoff(), 0), **settings)
 
 

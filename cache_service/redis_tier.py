@@ -168,16 +168,22 @@ class RedisTier:
         different masters of a cluster: each has its own pipeline.
         """
         owner = token.encode()
-        locks = await self._per_shard("claim", [lock_key(k) for k in keys], lambda pipe, lock: (
-            pipe.set(lock, token, nx=True, px=ttl_ms), pipe.get(lock)), [None, owner], replies_per_key=2)
+        locks = await self._per_shard(
+            "claim",
+            [lock_key(k) for k in keys],
+            lambda pipe, lock: (pipe.set(lock, token, nx=True, px=ttl_ms), pipe.get(lock)),
+            [None, owner],
+            replies_per_key=2,
+        )
         present = await self.exists_many(keys)
         if locks is None or present is None:
             return None
         return [(lock[1] == owner, exists) for lock, exists in zip(locks, present)]
 
     async def release_many(self, keys: Sequence[str], token: str) -> None:
-        await self._per_shard("release", [lock_key(k) for k in keys],
-                              lambda pipe, lock: pipe.eval(_RELEASE_LOCK, 1, lock, token), None)
+        await self._per_shard(
+            "release", [lock_key(k) for k in keys], lambda pipe, lock: pipe.eval(_RELEASE_LOCK, 1, lock, token), None
+        )
 
     async def poll_many(self, keys: Sequence[str]) -> list[tuple[bool, bool]] | None:
         """Per key: (value present, lock present), without transferring values."""
@@ -188,9 +194,15 @@ class RedisTier:
 
     # -- shards ---------------------------------------------------------------
 
-    async def _per_shard(self, what: str, keys: Sequence[str], add: Callable | None, failed: object,
-                         command: Callable[[list[str]], Awaitable[list]] | None = None,
-                         replies_per_key: int = 1) -> list | None:
+    async def _per_shard(
+        self,
+        what: str,
+        keys: Sequence[str],
+        add: Callable | None,
+        failed: object,
+        command: Callable[[list[str]], Awaitable[list]] | None = None,
+        replies_per_key: int = 1,
+    ) -> list | None:
         """Per key the reply of `add(pipe, key)`'s command(s), one pipeline per shard, the shards
         concurrently (or `command(keys of a shard)` in place of the pipeline); `failed` for keys
         of a shard that is down or fails. None when no shard answered."""
@@ -213,16 +225,20 @@ class RedisTier:
                     add(pipe, key)
                 replies = await pipe.execute()
             n = replies_per_key
-            return replies if n == 1 else [replies[i:i + n] for i in range(0, len(replies), n)]
+            return replies if n == 1 else [replies[i : i + n] for i in range(0, len(replies), n)]
 
         results: list = [failed] * len(keys)
-        answered = await asyncio.gather(*(self._run_shard(what, shard, [keys[i] for i in indexes],
-                                                          command or pipeline, indexes, results)
-                                          for shard, indexes in shards.items()))
+        answered = await asyncio.gather(
+            *(
+                self._run_shard(what, shard, [keys[i] for i in indexes], command or pipeline, indexes, results)
+                for shard, indexes in shards.items()
+            )
+        )
         return results if any(answered) else None
 
-    async def _run_shard(self, what: str, shard: str, shard_keys: list[str], command: Callable,
-                         indexes: list[int], results: list) -> bool:
+    async def _run_shard(
+        self, what: str, shard: str, shard_keys: list[str], command: Callable, indexes: list[int], results: list
+    ) -> bool:
         if shard in self._down:
             return False
         replies = await self._run(what, shard, lambda: command(shard_keys))
@@ -292,8 +308,12 @@ class RedisTier:
         self._stats.degraded = len(self._down)
         self._stats.degraded_transitions += 1
         where = "redis" if shard == WHOLE else f"redis cluster master {shard}"
-        logger.warning("%s unreachable (%s: %r); its keys are misses, served from process memory only, "
-                       "reconnecting with backoff", where, what, exc)
+        logger.warning(
+            "%s unreachable (%s: %r); its keys are misses, served from process memory only, reconnecting with backoff",
+            where,
+            what,
+            exc,
+        )
 
     async def _reconnect(self, shard: str) -> None:
         backoff = Backoff(self._config)

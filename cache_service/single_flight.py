@@ -67,8 +67,9 @@ class SingleFlight:
     def store_available(self) -> bool:
         return self.store is not None and self.store.available
 
-    async def run(self, positions: dict[str, list[int]], results: list[ComputeResult | None], compute: Compute,
-                  write_behind: bool) -> None:
+    async def run(
+        self, positions: dict[str, list[int]], results: list[ComputeResult | None], compute: Compute, write_behind: bool
+    ) -> None:
         """Fill `results` at the `positions` of each missed key (see get_or_compute_many)."""
         flight = Flight(self, positions, results, compute, write_behind)
         try:
@@ -158,7 +159,12 @@ class Flight:
             self.locked.clear()
 
     def _resolve(
-        self, key: str, features: Features, computed: bool, shared: bool, for_joiners: Features | None = None,
+        self,
+        key: str,
+        features: Features,
+        computed: bool,
+        shared: bool,
+        for_joiners: Features | None = None,
         stored: asyncio.Future[bool] | None = None,
     ) -> None:
         for i in self.positions[key]:
@@ -206,8 +212,9 @@ class Flight:
         self.stats.compute_calls += 1
         features = await self.compute(indexes)
         if not isinstance(features, list) or len(features) != len(indexes):
-            raise ValueError(f"compute returned {type(features).__name__} for {len(indexes)} indexes; "
-                             "need a list of that length")
+            raise ValueError(
+                f"compute returned {type(features).__name__} for {len(indexes)} indexes; need a list of that length"
+            )
         if not all(isinstance(f, Features) for f in features):
             raise TypeError("compute must return Features")
         self.stats.computations += len(keys)
@@ -232,8 +239,9 @@ class Flight:
             self._resolve(key, f, computed=True, shared=in_l2, for_joiners=host)
         await self._release([k for k in keys if k in self.locked])
 
-    async def _store_then_release(self, items: list[tuple[str, Features]], locked: list[str],
-                                  stored: list[asyncio.Future[bool]]) -> None:
+    async def _store_then_release(
+        self, items: list[tuple[str, Features]], locked: list[str], stored: list[asyncio.Future[bool]]
+    ) -> None:
         written, cancelled = [False] * len(items), False
         try:
             written = await self.tiers.put_many(items)

@@ -56,4 +56,3 @@ class FeatureStore(Protocol):
 
     async def poll_many(self, keys: Sequence[str]) -> list[tuple[bool, bool]] | None:
         """Per key (value present, lock present), without transferring values."""
-

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache_service.features import Features
 import torch
 
+from cache_service.features import Features
 from cache_service.keys import fingerprint_of, modality_of
 
 FINGERPRINT_META = "fingerprint"

@@ -41,8 +41,12 @@ async def unrouted(request: Request, err: HTTPException) -> JSONResponse:
     except IrisError as refused:
         return ingress.error_response(refused, "request refused")
     what = "Invalid URL" if err.status_code == 404 else "Method not allowed"
-    error = IrisError(f"{what} ({request.method} {request.url.path})", status_code=err.status_code,
-                      code="not_found" if err.status_code == 404 else "method_not_allowed", headers=err.headers)
+    error = IrisError(
+        f"{what} ({request.method} {request.url.path})",
+        status_code=err.status_code,
+        code="not_found" if err.status_code == 404 else "method_not_allowed",
+        headers=err.headers,
+    )
     return ingress.error_response(error, "no route")
 
 

@@ -1,7 +1,7 @@
 """The public surface: `build_app(args)` returns the Iris application.
 
-    serve run serve_config.yaml              # import_path: deployments.app:build_app
-    serve.run(build_app({"model": "builtin:tiny-qwen2-vl"}))
+serve run serve_config.yaml              # import_path: deployments.app:build_app
+serve.run(build_app({"model": "builtin:tiny-qwen2-vl"}))
 """
 
 from __future__ import annotations
@@ -59,5 +59,9 @@ def _report_redis(config: IrisConfig) -> None:
     try:
         connect_blocking(config.cache, "iris-start-up").ping()
     except (*REDIS_ERRORS, ValueError) as err:  # url logged unexpanded and redacted: no password in logs
-        logger.warning("Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
-                       "reconnecting in the background", redacted(url), err)
+        logger.warning(
+            "Iris: Redis at %s is not reachable (%s); starting with the in-process cache only, "
+            "reconnecting in the background",
+            redacted(url),
+            err,
+        )

@@ -21,6 +21,7 @@ from pipeline.tenancy.auth import AuthConfig
 from pipeline.tenancy.fair_gate import FairSharing
 from pipeline.tenancy.limits import TenantLimits
 
+
 class IrisConfig(BaseModel):
     # Errors name the field and the rule, not the value: a value may hold a secret (a Redis password
     # in a URL, a key where auth wants a file name).
@@ -40,7 +41,9 @@ class IrisConfig(BaseModel):
         4, ge=1, le=64, description="Images accepted in one request (like vLLM's --limit-mm-per-prompt)."
     )
     max_videos_per_prompt: int = Field(
-        1, ge=0, le=16,
+        1,
+        ge=0,
+        le=16,
         description="Videos accepted in one request, for models that take video (like vLLM's "
         "--limit-mm-per-prompt); 0 refuses video. Frame sampling: engine_args.media_io_kwargs "
         "(vLLM's --media-io-kwargs, e.g. {video: {num_frames: 16}}); size limits: media.max_video_*.",
@@ -55,24 +58,31 @@ class IrisConfig(BaseModel):
         0.005, ge=0, le=1, description="How long the encoder waits to fill a batch before running it."
     )
     encoder_batch_max_tokens: int | None = Field(
-        16384, ge=1,
+        16384,
+        ge=1,
         description="Most image tokens (encoder output tokens, summed over the batch) per vision-encoder "
         "forward pass, so that a batch of large images cannot exhaust device memory; an image above it "
         "runs alone. None batches by encoder_batch_size only.",
     )
     stream_interval_s: float = Field(
-        0.05, ge=0, le=1,
+        0.05,
+        ge=0,
+        le=1,
         description="Token deltas produced within this interval travel to the client as one chunk "
         "(the first token at once, the last as soon as it is out); 0 sends every delta as it comes. "
         "50 ms, as Ray Serve LLM's stream batching: each chunk is a Ray message per hop.",
     )
     encoder_cpu_threads: int | None = Field(
-        None, ge=1, le=512,
+        None,
+        ge=1,
+        le=512,
         description="CPU only: torch threads for the vision tower. Ray gives an actor with fractional "
         "num_cpus one thread; set this to the cores the encoder may really use.",
     )
     preprocess_cpu_threads: int | None = Field(
-        None, ge=1, le=512,
+        None,
+        ge=1,
+        le=512,
         description="Torch threads for Preprocess's image and video processing (vLLM's processor). Ray "
         "gives an actor with fractional num_cpus one thread; set this to the cores Preprocess may really use.",
     )
@@ -102,15 +112,18 @@ class IrisConfig(BaseModel):
         default_factory=DecodePlacement,
         description="Where an LLMDecode replica's vLLM ranks run when engine_args ask for several "
         "(tensor_parallel_size × pipeline_parallel_size): each replica holds a placement group, one bundle per rank "
-        "(docs/deployment.md).")
+        "(docs/deployment.md).",
+    )
     auth: AuthConfig = Field(
         default_factory=AuthConfig,
         description="API keys: with any configured, every request but /health needs one (401 otherwise), "
-        "and a key mapped to a tenant name makes that its tenant.")
+        "and a key mapped to a tenant name makes that its tenant.",
+    )
     tenant_limits: TenantLimits = Field(
         default_factory=TenantLimits,
         description="Per-tenant limits (requests in flight, images and prompt tokens per minute), cluster-wide "
-        "through the cache's Redis; all off by default.")
+        "through the cache's Redis; all off by default.",
+    )
     tenant_header: str | None = Field(
         None,
         description="Header naming the tenant, honoured only when set here: set it only when a trusted "
@@ -125,22 +138,27 @@ class IrisConfig(BaseModel):
         "whether another sent an image; true saves encoder work when all tenants trust each other.",
     )
     fair_sharing: FairSharing = Field(
-        default_factory=FairSharing, description="Tenants served in turn in Preprocess and the VisionEncoder "
-        "(docs/security.md: fair sharing).")
+        default_factory=FairSharing,
+        description="Tenants served in turn in Preprocess and the VisionEncoder (docs/security.md: fair sharing).",
+    )
     request_timeout_s: float = Field(
-        300, gt=0,
+        300,
+        gt=0,
         description="Upper bound on one request, from arrival to its last token (image work, queueing, "
         "decoding). Past it the client gets 504 `timeout` (in-band once a stream has started) and the "
         "request's work is cancelled in every stage.",
     )
     max_tokens_limit: int | None = Field(
-        4096, ge=1,
+        4096,
+        ge=1,
         description="Most tokens one request may generate: a larger `max_tokens` / `max_completion_tokens` "
         "is a 400 naming the parameter, and a request without one generates at most this many. "
         "None: bounded by the context length only, as in vLLM.",
     )
     max_text_bytes_per_token: int = Field(
-        16, ge=1, le=1024,
+        16,
+        ge=1,
+        le=1024,
         description="Bounds a request's text before anything parses or tokenizes it: a body whose bytes "
         "besides its base64 images and videos pass the model's max_model_len times this (plus 64 KiB) "
         "is a 400 `context_length_exceeded` at the ingress (docs/api.md). Text runs 3-5 bytes a token, "
@@ -149,7 +167,8 @@ class IrisConfig(BaseModel):
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces over OTLP: one trace per request, a span per stage "
-        "(docs/operations.md: Traces); off unless otlp_endpoint is set.")
+        "(docs/operations.md: Traces); off unless otlp_endpoint is set.",
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -162,8 +181,10 @@ class IrisConfig(BaseModel):
         # A built-in that ships its code is refused here, as any such checkpoint is when the stages load it.
         missing = {k: v for k, v in builtin_engine_args(self.model).items() if self.engine_args.get(k) != v}
         if missing:
-            raise ValueError(f"{self.model}'s checkpoint needs engine_args {missing}, as every checkpoint of its "
-                             "format does (it ships code of its own, which every stage runs)")
+            raise ValueError(
+                f"{self.model}'s checkpoint needs engine_args {missing}, as every checkpoint of its "
+                "format does (it ships code of its own, which every stage runs)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -183,6 +204,10 @@ class IrisConfig(BaseModel):
         """vLLM's image and video path for this model, built alike by every stage so that they agree
         (processor settings, dtype, fingerprint): with the model settings of `engine_args` (revision,
         tokenizer, trust_remote_code, hf_overrides, ...), which LLMDecode's engine gets too."""
-        return VisionModel(resolve_model(self.model), self.dtype,
-                           {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
-                           connector=self.decoder_features == "connector", settings=model_settings(self.engine_args))
+        return VisionModel(
+            resolve_model(self.model),
+            self.dtype,
+            {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt},
+            connector=self.decoder_features == "connector",
+            settings=model_settings(self.engine_args),
+        )

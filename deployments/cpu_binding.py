@@ -23,7 +23,7 @@ def omp_threads_bind(index: int, engines: int, core_ids: list[int], reserve: int
         return str(usable[index % len(usable)])
     per, extra = divmod(len(usable), engines)
     start = index * per + min(index, extra)
-    return ",".join(map(str, usable[start:start + per + (index < extra)]))
+    return ",".join(map(str, usable[start : start + per + (index < extra)]))
 
 
 def rank_binds(core_ids: list[int], ranks: int, reserve: int = 1) -> str:

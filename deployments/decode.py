@@ -56,20 +56,32 @@ PLACEHOLDER_MISSING = "Failed to apply prompt replacement"  # vLLM's words for a
 # (`prompt_tokens_details.cached_tokens`), which is what Iris's caches are for.
 DEFAULT_FLAGS = {"enable_prompt_tokens_details": True}
 # Iris's routes -> vLLM's serving object, its method, and the API's name in vLLM's refusal.
-VLLM_ROUTES = {"chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
-               "completion": ("openai_serving_completion", "create_completion", "Completions"),
-               "responses": ("openai_serving_responses", "create_responses", "Responses"),
-               "tokenize": ("serving_tokenization", "create_tokenize", "Tokenize"),
-               "detokenize": ("serving_tokenization", "create_detokenize", "Detokenize")}
+VLLM_ROUTES = {
+    "chat": ("openai_serving_chat", "create_chat_completion", "Chat Completions"),
+    "completion": ("openai_serving_completion", "create_completion", "Completions"),
+    "responses": ("openai_serving_responses", "create_responses", "Responses"),
+    "tokenize": ("serving_tokenization", "create_tokenize", "Tokenize"),
+    "detokenize": ("serving_tokenization", "create_detokenize", "Detokenize"),
+}
 
 
 def engine_flags(config: IrisConfig, vision, connector: dict) -> dict:
     """LLMDecode's `vllm serve` flags: the user's engine_args (whose model part every stage loads),
     Iris's defaults and requirements, and what Iris sets itself."""
-    iris_flags = {"served_model_name": [config.model_name], "dtype": str(vision.dtype).removeprefix("torch."),
-                  "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities}}
-    return {**DEFAULT_FLAGS, **tracing.vllm_engine_args(config.tracing, config.engine_args), **config.engine_args,
-            **config.decode_ranks().engine_flags(), **REQUIRED, **connector, **iris_flags}
+    iris_flags = {
+        "served_model_name": [config.model_name],
+        "dtype": str(vision.dtype).removeprefix("torch."),
+        "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities},
+    }
+    return {
+        **DEFAULT_FLAGS,
+        **tracing.vllm_engine_args(config.tracing, config.engine_args),
+        **config.engine_args,
+        **config.decode_ranks().engine_flags(),
+        **REQUIRED,
+        **connector,
+        **iris_flags,
+    }
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -99,19 +111,23 @@ class LLMDecode:
         # from a staging folder of this replica's.
         connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
         self.staging = FeatureStaging() if connector_widths else None
-        connector = ({"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)}
-                     if self.staging else {})
+        connector = (
+            {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
+        )
         self.args = serve_args(self.vision.checkpoint, engine_flags(config, self.vision, connector))
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         # The engine loads what the other stages load (one set of model settings: engine_settings.py).
         differences = model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
         if differences:
-            raise RuntimeError("LLMDecode's engine would load another model than Preprocess and the "
-                               "VisionEncoder: " + "; ".join(differences))
+            raise RuntimeError(
+                "LLMDecode's engine would load another model than Preprocess and the "
+                "VisionEncoder: " + "; ".join(differences)
+            )
         # vLLM's engine metrics as Ray metrics (what Ray Serve LLM exports), and in this process's
         # Prometheus registry, where the EC connector's counters are read (connector_counts).
-        self.engine = AsyncLLM.from_engine_args(engine_args,
-                                                stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger])
+        self.engine = AsyncLLM.from_engine_args(
+            engine_args, stat_loggers=[RayPrometheusStatLogger, PrometheusStatLogger]
+        )
         self.engine.generate = engine_usage.counting(self.engine.generate)
         self.state = State()
         tasks = await self.engine.get_supported_tasks()
@@ -122,7 +138,8 @@ class LLMDecode:
         self.cache = FeatureCache(config.cache, check=ValueCheck(self.vision.feature_problem))
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
-            "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache")
+            "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache"
+        )
         self.prompt_tokens = metrics.Counter("iris_vllm_prompt_tokens", description="Prompt tokens prefilled or cached")
         self.generating = 0  # generate() calls in progress on this replica
         self.left_early = 0  # generate() calls whose caller went away before the last chunk (client gone, deadline)
@@ -164,8 +181,9 @@ class LLMDecode:
         arch = self.engine.model_config.architecture
         key = f"iris-connector-check-{os.getpid()}-{time.monotonic_ns()}"
         parts = [keyed_media.keyed_part("image", key, as_embeddings=False), {"type": "text", "text": "Describe."}]
-        request = ChatCompletionRequest(model=self.config.model_name, max_tokens=1,
-                                        messages=[{"role": "user", "content": parts}])
+        request = ChatCompletionRequest(
+            model=self.config.model_name, max_tokens=1, messages=[{"role": "user", "content": parts}]
+        )
         staged: list[str] = []
         try:
             items = await self._media_items([key], [self.vision.sample_features], ["image"], staged)
@@ -174,9 +192,11 @@ class LLMDecode:
             if not hasattr(answer, "choices"):
                 raise RuntimeError(answer.model_dump_json() if hasattr(answer, "model_dump_json") else repr(answer))
         except Exception as err:
-            raise RuntimeError(f"{arch}: its engine failed on an image through Iris's EC connector, the one way "
-                               f"to it where vLLM takes no image embeddings ({type(err).__name__}: {err}); Iris "
-                               "cannot serve it") from err
+            raise RuntimeError(
+                f"{arch}: its engine failed on an image through Iris's EC connector, the one way "
+                f"to it where vLLM takes no image embeddings ({type(err).__name__}: {err}); Iris "
+                "cannot serve it"
+            ) from err
         finally:
             self.staging.release(staged)
         for _ in range(50):  # vLLM's stat loggers record a step's connector stats just after its outputs
@@ -185,9 +205,11 @@ class LLMDecode:
                 break
             await asyncio.sleep(0.05)
         if (counts["loaded"], counts["encoded"]) != (1, 0):
-            raise RuntimeError(f"{arch}: its engine did not take the encoder's features through Iris's EC "
-                               f"connector, the one way to it where vLLM takes no image embeddings ({counts}); "
-                               "Iris cannot serve it")
+            raise RuntimeError(
+                f"{arch}: its engine did not take the encoder's features through Iris's EC "
+                f"connector, the one way to it where vLLM takes no image embeddings ({counts}); "
+                "Iris cannot serve it"
+            )
         logger.info("LLMDecode: %s's features reach vLLM through Iris's EC connector", arch)
 
     async def generate(self, call: DecodeCall) -> AsyncIterator[DecodeOpened | str | DecodeDone]:
@@ -204,9 +226,13 @@ class LLMDecode:
                     sent = True
                     yield message
             if span.is_recording():
-                span.set_attributes({"iris.prompt_tokens": usage.prompt_tokens,
-                                     "iris.completion_tokens": usage.completion_tokens,
-                                     "iris.cached_tokens": usage.cached_tokens})
+                span.set_attributes(
+                    {
+                        "iris.prompt_tokens": usage.prompt_tokens,
+                        "iris.completion_tokens": usage.completion_tokens,
+                        "iris.cached_tokens": usage.cached_tokens,
+                    }
+                )
             ended = True
         finally:  # also when the caller cancels or leaves: closing vLLM's stream aborted the engine request
             span.end()
@@ -215,8 +241,13 @@ class LLMDecode:
             waited = time.monotonic() - started
             if not sent and waited > SLOW_FIRST_OUTPUT_S:
                 # Says whether a first token the client never saw left this replica at all.
-                logger.warning("a %s request ended after %.1f s without a first message from this replica "
-                               "(requests vLLM holds now: %s)", call.route, waited, self._unfinished())
+                logger.warning(
+                    "a %s request ended after %.1f s without a first message from this replica "
+                    "(requests vLLM holds now: %s)",
+                    call.route,
+                    waited,
+                    self._unfinished(),
+                )
 
     async def _generate(self, call: DecodeCall, trace: dict[str, str] | None) -> AsyncIterator:
         """`trace`: the decode span's context, the parent of this call's spans and vLLM's."""
@@ -246,8 +277,9 @@ class LLMDecode:
                 yield answer
             else:
                 yield DecodeOpened()
-                async with aclosing(merged_outputs(answer, self.config.stream_interval_s,
-                                                   last=lambda event: "data: [DONE]" in event)) as merged:
+                async with aclosing(
+                    merged_outputs(answer, self.config.stream_interval_s, last=lambda event: "data: [DONE]" in event)
+                ) as merged:
                     async for events in merged:
                         text = "".join(events)
                         if "data: [DONE]" in text:  # the engine is done: its counts go before the client's [DONE]
@@ -268,8 +300,15 @@ class LLMDecode:
 
         headers = {**call.headers, **(trace or {})}
         # What vLLM reads of the HTTP request: X-Request-Id, the trace context.
-        raw = Request({"type": "http", "method": "POST", "path": "/", "query_string": b"",
-                       "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+        raw = Request(
+            {
+                "type": "http",
+                "method": "POST",
+                "path": "/",
+                "query_string": b"",
+                "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+            }
+        )
         call.body.cache_salt = _salted(call.tenant, getattr(call.body, "cache_salt", None))
         mark("decode.engine_call")
         answer = await self._vllm(call.route, call.body, raw)
@@ -314,8 +353,9 @@ class LLMDecode:
             try:  # decoding an image or a clip is CPU work: off the event loop
                 (items[key],) = await asyncio.to_thread(self.vision.source_items, [f], modality)
             except Exception as err:  # bytes Iris's own checks let through but vLLM's loader refuses
-                raise IrisError(f"vLLM cannot decode this {modality}: {err}", param="messages",
-                                code=f"invalid_{modality}") from None
+                raise IrisError(
+                    f"vLLM cannot decode this {modality}: {err}", param="messages", code=f"invalid_{modality}"
+                ) from None
             if self.staging.stage(key, f):  # else (/dev/shm full, say) the engine runs its own tower
                 staged.append(key)
         return items
@@ -352,8 +392,11 @@ class LLMDecode:
         calls the ingress made for this request, once they are done. A reference that cannot be
         fetched is left out: that key is read from the cache like any other."""
         encoded = await asyncio.gather(*refs.values(), return_exceptions=True)
-        fetched = iter(await asyncio.gather(*(e.features_ref for e in encoded if isinstance(e, EncodedMedia)),
-                                            return_exceptions=True))
+        fetched = iter(
+            await asyncio.gather(
+                *(e.features_ref for e in encoded if isinstance(e, EncodedMedia)), return_exceptions=True
+            )
+        )
         delivered = {}
         for key, e in zip(refs, encoded):
             f = next(fetched) if isinstance(e, EncodedMedia) else e
@@ -361,8 +404,11 @@ class LLMDecode:
                 # The reference is a shortcut, the cache the record: under heavy load Ray has
                 # answered ReferenceCountingAssertionError for a live reference, and an
                 # encoder replica may have died since.
-                logger.warning("features of %s could not be fetched from the object store (%s); "
-                               "reading the cache", key, type(f).__name__)
+                logger.warning(
+                    "features of %s could not be fetched from the object store (%s); reading the cache",
+                    key,
+                    type(f).__name__,
+                )
                 continue
             if isinstance(f, BaseException) and not isinstance(f, IrisError):
                 raise f
@@ -394,12 +440,19 @@ class LLMDecode:
     def stats(self) -> dict:
         # engine_unfinished: requests vLLM still holds (running or waiting); 0 once every caller
         # finished or went away, since a cancelled generate() aborts its engine request.
-        stats = {"replica": serve.get_replica_context().replica_id.unique_id, "cache": self.cache.stats(),
-                 "generating": self.generating, "left_early": self.left_early,
-                 "engine_unfinished": self.engine.get_num_unfinished_requests()}
+        stats = {
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "cache": self.cache.stats(),
+            "generating": self.generating,
+            "left_early": self.left_early,
+            "engine_unfinished": self.engine.get_num_unfinished_requests(),
+        }
         if self.staging is not None:  # items the connector supplied and items the engine's tower encoded
-            stats["ec_connector"] = {**connector_counts(), "staged": self.staging.staged,
-                                     "staging_failed": self.staging.failed}
+            stats["ec_connector"] = {
+                **connector_counts(),
+                "staged": self.staging.staged,
+                "staging_failed": self.staging.failed,
+            }
         return stats
 
     def forget_features(self, keys: list[str]) -> int:
@@ -478,6 +531,7 @@ def _bind_engine_cores(ranks: int = 1) -> None:
         cores = [int(c) for c in bind.split(",")] if bind else list(os.sched_getaffinity(0))
         bind = rank_binds(cores, ranks, reserve=0 if bind else 1)
     if bind:
-        logger.info("LLMDecode replica %d of %d on this node: vLLM's OpenMP threads on cores %s",
-                    local_rank, engines, bind)
+        logger.info(
+            "LLMDecode replica %d of %d on this node: vLLM's OpenMP threads on cores %s", local_rank, engines, bind
+        )
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind

@@ -23,8 +23,7 @@ class DecodeStream:
         self._rest = rest  # Serve's streaming response
 
     @classmethod
-    async def open(cls, decode: DeploymentHandle, call: DecodeCall,
-                   alongside: Awaitable | None = None) -> DecodeStream:
+    async def open(cls, decode: DeploymentHandle, call: DecodeCall, alongside: Awaitable | None = None) -> DecodeStream:
         """The stream, once its first message is here. Opened while `alongside` (the request's
         encodes) finishes, whose failure (a bad video, a dead replica) is the request's answer,
         whatever the decoder made of it."""

@@ -87,11 +87,17 @@ class VisionEncoder:
         self._forward.set_batch_wait_timeout_s(config.encoder_batch_wait_s)
         # Items queued for or in the forward pass; the rest wait for their tenant's turn.
         slots = config.fair_sharing.encoder_slots
-        self.gate = FairGate(2 * self.max_images if slots == "auto" else slots, config.fair_sharing.enabled,
-                             config.fair_sharing.tenant_weights)
+        self.gate = FairGate(
+            2 * self.max_images if slots == "auto" else slots,
+            config.fair_sharing.enabled,
+            config.fair_sharing.tenant_weights,
+        )
         self.queue_seconds = StageQueueMetrics("encoder")
-        self.batch_size = metrics.Histogram("iris_encoder_batch_size", description="Images per vision-encoder "
-                                            "forward pass", boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
+        self.batch_size = metrics.Histogram(
+            "iris_encoder_batch_size",
+            description="Images per vision-encoder forward pass",
+            boundaries=[1, 2, 4, 8, 16, 32, 64, 128],
+        )
         self.batch_seconds = latency_histogram("iris_encoder_batch_seconds", "Seconds per vision-encoder forward pass")
         self.images_encoded = 0
         self.batches = 0
@@ -101,8 +107,11 @@ class VisionEncoder:
         # One forward pass at a time on the device: batches, their items one by one, the probe.
         self.device = asyncio.Lock()
         # The probe: a small image, encoded when nothing else shows whether the tower works.
-        self.probe = (self.vision.preprocess(self.vision.load_image(sample_image_bytes()), "image")
-                      if "image" in self.vision.modalities else None)
+        self.probe = (
+            self.vision.preprocess(self.vision.load_image(sample_image_bytes()), "image")
+            if "image" in self.vision.modalities
+            else None
+        )
         self.last_good_forward = time.monotonic()  # load_encoder's warm-up was one
         self.tower_fault: str | None = None  # why the probe failed, until a forward pass succeeds
         self.held: dict[ray.ObjectRef, asyncio.TimerHandle] = {}  # features kept reachable (_hold)
@@ -115,8 +124,14 @@ class VisionEncoder:
         each with how its features reach the decoder: "embeddings" or "connector"."""
         return {m: self.vision.forms[m].delivery for m in self.vision.modalities}
 
-    async def encode(self, key: str, pixels: PixelInputs | IrisError, tenant: str = "default",
-                     trace: dict[str, str] | None = None, name: str = "image") -> EncodedMedia | IrisError:
+    async def encode(
+        self,
+        key: str,
+        pixels: PixelInputs | IrisError,
+        tenant: str = "default",
+        trace: dict[str, str] | None = None,
+        name: str = "image",
+    ) -> EncodedMedia | IrisError:
         """Features for `key` as an object-store reference. `pixels` is Preprocess's result
         (Serve resolves the pending response the ingress passed); its client error passes through,
         and so does the error of an item the tower refuses (named `name`, e.g. "image[0]").
@@ -166,9 +181,12 @@ class VisionEncoder:
                 raise features  # this item's own; callers that joined its computation compute for themselves
             if queued.forward is not None:  # the batch this image rode in, inside this request's trace
                 start_ns, end_ns, size, number = queued.forward
-                tracing.ended_span("encoder.forward", start_ns, end_ns,
-                                   {"iris.encoder.batch_size": size, "iris.encoder.batch": number,
-                                    "iris.queue_seconds": waited})
+                tracing.ended_span(
+                    "encoder.forward",
+                    start_ns,
+                    end_ns,
+                    {"iris.encoder.batch_size": size, "iris.encoder.batch": number, "iris.queue_seconds": waited},
+                )
             # The fingerprint in the value lets every reader check it against the key's.
             return [stamp_fingerprint(features, self.fingerprint)]
 
@@ -194,7 +212,8 @@ class VisionEncoder:
         self.held[ref] = asyncio.get_running_loop().call_later(self.request_timeout_s, self.held.pop, ref, None)
         if result.stored is not None:
             result.stored.add_done_callback(
-                lambda stored: stored.cancelled() or not stored.result() or self._release(ref))
+                lambda stored: stored.cancelled() or not stored.result() or self._release(ref)
+            )
 
     def _release(self, ref: ray.ObjectRef) -> None:
         timer = self.held.pop(ref, None)
@@ -244,21 +263,27 @@ class VisionEncoder:
                     results.append(item_err)
         # An item fails by its own fault where the tower encodes others: its batch mates, else the probe.
         tower_works = any(not isinstance(r, Exception) for r in results) or await self._probe_works()
-        return [self._refused(item, r, tower_works) if isinstance(r, Exception) else r
-                for item, r in zip(batch, results)]
+        return [
+            self._refused(item, r, tower_works) if isinstance(r, Exception) else r for item, r in zip(batch, results)
+        ]
 
     def _refused(self, item: _Queued, err: Exception, tower_works: bool) -> IrisError:
         modality = item.pixels.modality
         if tower_works and not isinstance(err, torch.cuda.OutOfMemoryError):
             self.items_refused += 1
-            logger.warning("the vision tower refused %s (%s: %s)", item.name, type(err).__name__,
-                           str(err)[:ERROR_TEXT_CHARS])
-            return bad_request(f"the vision encoder cannot encode this {modality}: "
-                               f"{type(err).__name__}: {str(err)[:ERROR_TEXT_CHARS]}",
-                               param=item.name, code=f"invalid_{modality}")
+            logger.warning(
+                "the vision tower refused %s (%s: %s)", item.name, type(err).__name__, str(err)[:ERROR_TEXT_CHARS]
+            )
+            return bad_request(
+                f"the vision encoder cannot encode this {modality}: "
+                f"{type(err).__name__}: {str(err)[:ERROR_TEXT_CHARS]}",
+                param=item.name,
+                code=f"invalid_{modality}",
+            )
         logger.error("forward pass failed for %s", item.name, exc_info=err)
-        return server_error(f"the vision encoder failed ({type(err).__name__}); retry", code="encoder_unavailable",
-                            status_code=503)
+        return server_error(
+            f"the vision encoder failed ({type(err).__name__}); retry", code="encoder_unavailable", status_code=503
+        )
 
     async def _probe_works(self) -> bool:
         """Whether the tower encodes the probe image now."""
@@ -281,9 +306,15 @@ class VisionEncoder:
             raise RuntimeError(f"the vision tower fails on its probe image: {self.tower_fault}")
 
     def stats(self) -> dict:
-        return {"images_encoded": self.images_encoded, "batches": self.batches, "encoding": self.encoding,
-                "waiting": self.gate.waiting, "refused": self.items_refused, "held": len(self.held),
-                "cache": self.cache.stats()}
+        return {
+            "images_encoded": self.images_encoded,
+            "batches": self.batches,
+            "encoding": self.encoding,
+            "waiting": self.gate.waiting,
+            "refused": self.items_refused,
+            "held": len(self.held),
+            "cache": self.cache.stats(),
+        }
 
     async def __del__(self):
         # Serve calls this on graceful shutdown, once requests have drained: the Redis writes still

@@ -23,12 +23,16 @@ def failure_response(err: BaseException, what: str, timeout_s: float) -> IrisErr
     if isinstance(err, IrisError):
         return err
     if isinstance(err, TimeoutError):
-        return server_error(f"the request took longer than the server's limit of {timeout_s:g} s",
-                            code="timeout", status_code=504)
+        return server_error(
+            f"the request took longer than the server's limit of {timeout_s:g} s", code="timeout", status_code=504
+        )
     if stage_failed(err):
         logger.warning("%s: a replica failed: %r", what, err)
-        return server_error("a serving replica failed while handling this request; retry it",
-                            code="replica_unavailable", status_code=503)
+        return server_error(
+            "a serving replica failed while handling this request; retry it",
+            code="replica_unavailable",
+            status_code=503,
+        )
     logger.error("%s", what, exc_info=err)
     return server_error("internal error", code="internal_error")
 
@@ -39,5 +43,7 @@ def stage_failed(err: BaseException | None) -> bool:
     ObjectLostError the owner's death and failed reconstruction), or that a stage has no replica
     at all (Serve's DeploymentUnavailableError, a 503 in Serve's own proxy too), as opposed to a bug."""
     # Causes nest: a task error caused by an actor's death, Serve's error for a dead upstream, ...
-    return any(isinstance(e, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError,
-                              DeploymentUnavailableError)) for e in causes(err))
+    return any(
+        isinstance(e, (RayActorError, WorkerCrashedError, ObjectLostError, NodeDiedError, DeploymentUnavailableError))
+        for e in causes(err)
+    )

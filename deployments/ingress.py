@@ -40,8 +40,14 @@ from pipeline.stage_io import DecodeCall, DecodeDone
 from pipeline.tenancy.limits import Ticket
 
 # No /docs, /redoc or /openapi.json: every route but /health needs a key, so do unknown paths (docs/security.md).
-app = FastAPI(title="Iris", description="OpenAI-compatible vision-language model serving",
-              docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={404: unrouted, 405: unrouted})
+app = FastAPI(
+    title="Iris",
+    description="OpenAI-compatible vision-language model serving",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    exception_handlers={404: unrouted, 405: unrouted},
+)
 app.add_middleware(tracing.RequestSpans)  # each request's root span; passes straight through with tracing off
 
 
@@ -61,8 +67,9 @@ HEALTH_TIMEOUT_S = 10.0  # a decode replica that does not answer its health chec
 @serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_ENV}})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,
-                 decode: DeploymentHandle):
+    def __init__(
+        self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle, decode: DeploymentHandle
+    ):
         self.config = config
         tracing.setup(config.tracing, "ingress")
         self.decode = decode
@@ -81,8 +88,7 @@ class Ingress:
         try:
             await asyncio.wait_for(self.decode.health.remote(), HEALTH_TIMEOUT_S)
         except Exception as err:
-            return JSONResponse({"status": "unhealthy", "error": f"{type(err).__name__}: {err}"[:500]},
-                                status_code=503)
+            return JSONResponse({"status": "unhealthy", "error": f"{type(err).__name__}: {err}"[:500]}, status_code=503)
         return JSONResponse({"status": "ok", "redis": await self.features.cache.ping()})
 
     @app.get("/v1/models", dependencies=[Depends(caller)])
@@ -92,8 +98,12 @@ class Ingress:
 
     @app.get("/iris/stats", dependencies=[Depends(caller)])
     async def stats(self):
-        return {"ingress": dict(self.metrics.counts), "cache": self.features.cache.stats(),
-                "tenant_limits": self.admission.stats(), "model": await self.features.model()}
+        return {
+            "ingress": dict(self.metrics.counts),
+            "cache": self.features.cache.stats(),
+            "tenant_limits": self.admission.stats(),
+            "model": await self.features.model(),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request, tenant: str = Depends(caller)):
@@ -148,8 +158,9 @@ class Ingress:
         headers = {"x-iris-images": f"cached={media.cached},computed={media.computed}"} if media.items else {}
         if stream.first.body is not None:
             return await self._whole(stream, deadline, headers, ticket)
-        return StreamingResponse(self._sse(stream.messages(deadline), ticket), media_type="text/event-stream",
-                                 headers=headers)
+        return StreamingResponse(
+            self._sse(stream.messages(deadline), ticket), media_type="text/event-stream", headers=headers
+        )
 
     async def _open(self, route: str, request: Request, ticket: Ticket) -> tuple[DecodeStream, RequestMedia]:
         """The decode stream, once LLMDecode's first message says the answer is ready: opened beside
@@ -165,10 +176,14 @@ class Ingress:
         rekeyed = recomputed = False
         while True:
             self.features.key_parts(media.items)
-            tracing.tag_request(images_cached=media.cached, images_computed=media.computed,
-                                cache=tracing.cache_outcome(media.cached, media.computed))
-            call = DecodeCall(route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded,
-                              tracing.carrier())
+            tracing.tag_request(
+                images_cached=media.cached,
+                images_computed=media.computed,
+                cache=tracing.cache_outcome(media.cached, media.computed),
+            )
+            call = DecodeCall(
+                route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded, tracing.carrier()
+            )
             stream = await DecodeStream.open(self.decode, call, media.take_encodes())
             first = stream.first
             if first.error is None and first.missing_keys is None:
@@ -187,8 +202,11 @@ class Ingress:
                 # 409 for an upload-free item; computed again once (within the request's deadline).
                 await self.features.recompute(media, first.missing_keys, encode=not recomputed)
                 if recomputed:
-                    raise IrisError("image features could not be delivered to the decoder", status_code=503,
-                                    code="features_unavailable")
+                    raise IrisError(
+                        "image features could not be delivered to the decoder",
+                        status_code=503,
+                        code="features_unavailable",
+                    )
                 recomputed = True
             else:
                 raise first.error

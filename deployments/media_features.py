@@ -56,6 +56,7 @@ HASH_IN_THREAD_BYTES = 256 * 1024
 class RequestMedia:
     """A request's images and videos, in prompt order (each with its bytes and key), and how
     their features were obtained."""
+
     items: list[MediaItem] = field(default_factory=list)
     tenant: str = "default"
     # key -> ObjectRef of the VisionEncoder call computing it for this request (EncodedMedia or IrisError)
@@ -81,6 +82,7 @@ class RequestMedia:
 @dataclass
 class Encoding:
     """One key's encode in flight on this replica, shared by the requests that need it."""
+
     submitted: asyncio.Task  # -> the ObjectRef of the VisionEncoder call's result, once Serve has routed it
     done: asyncio.Task  # -> its EncodedMedia
 
@@ -91,7 +93,11 @@ def cache_miss(indexes: list[int], names: list[str]) -> IrisError:
     return IrisError(
         f"{what} {indexes} were sent by uuid only and are not in the feature cache; "
         "send the bytes with the same uuid again",
-        status_code=409, param="messages", code="mm_cache_miss", extra={"missing": indexes})
+        status_code=409,
+        param="messages",
+        code="mm_cache_miss",
+        extra={"missing": indexes},
+    )
 
 
 async def all_or_none(aws: list) -> list:
@@ -116,8 +122,9 @@ async def all_or_none(aws: list) -> list:
 
 
 class MediaFeatures:
-    def __init__(self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle,
-                 metrics: RequestMetrics):
+    def __init__(
+        self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle, metrics: RequestMetrics
+    ):
         self.config = config
         self.preprocess = preprocess
         self.encoder = encoder
@@ -139,13 +146,24 @@ class MediaFeatures:
         fingerprint = await self._get_fingerprint()
         for item in items:
             if item.modality not in self._modalities:
-                raise bad_request(f"this model takes no {item.modality} input (it takes "
-                                  f"{', '.join(self._modalities)})", param=item.name, code=f"unsupported_{item.modality}")
+                raise bad_request(
+                    f"this model takes no {item.modality} input (it takes {', '.join(self._modalities)})",
+                    param=item.name,
+                    code=f"unsupported_{item.modality}",
+                )
         with tracing.span("ingress.fetch"):
             self.metrics.fetched(sum(item.url is not None for item in items))
-            fetched = iter(await all_or_none([  # one refused: the others' fetches stop
-                load_media_bytes(item.url, self.config.media, self.http, param=item.name, modality=item.modality)
-                for item in items if item.url is not None]))
+            fetched = iter(
+                await all_or_none(
+                    [  # one refused: the others' fetches stop
+                        load_media_bytes(
+                            item.url, self.config.media, self.http, param=item.name, modality=item.modality
+                        )
+                        for item in items
+                        if item.url is not None
+                    ]
+                )
+            )
             datas = [next(fetched) if item.url is not None else None for item in items]
         with tracing.span("ingress.cache_lookup") as lookup:
             for item, data in zip(items, datas):
@@ -158,11 +176,16 @@ class MediaFeatures:
             present = dict(zip(unknown, await self.cache.contains_many(unknown))) if unknown else {}
             if lookup.is_recording():  # by where each distinct item was found
                 hits = sum(present.values())
-                lookup.set_attributes({
-                    "iris.cache.items": len(unique), "iris.cache.upload_free": datas.count(None),
-                    "iris.cache.known": sum(k in self._known for k in unique),  # remembered present: not asked
-                    "iris.cache.in_flight": sum(k in self._inflight for k in unique),  # being computed here
-                    "iris.cache.redis_hits": hits, "iris.cache.misses": len(present) - hits})
+                lookup.set_attributes(
+                    {
+                        "iris.cache.items": len(unique),
+                        "iris.cache.upload_free": datas.count(None),
+                        "iris.cache.known": sum(k in self._known for k in unique),  # remembered present: not asked
+                        "iris.cache.in_flight": sum(k in self._inflight for k in unique),  # being computed here
+                        "iris.cache.redis_hits": hits,
+                        "iris.cache.misses": len(present) - hits,
+                    }
+                )
         mark("ingress.looked_up")
         self.cache_metrics.export()
         missing = [item for item in items if item.url is None and item.key in present and not present[item.key]]
@@ -209,7 +232,8 @@ class MediaFeatures:
     async def _get_fingerprint(self) -> str:
         if self._fingerprint is None:
             self._fingerprint, self._modalities = await asyncio.gather(
-                self.encoder.get_fingerprint.remote(), self.encoder.get_modalities.remote())
+                self.encoder.get_fingerprint.remote(), self.encoder.get_modalities.remote()
+            )
         return self._fingerprint
 
     async def _key(self, fingerprint: str, tenant: str, item, data: bytes | None) -> str:
@@ -217,8 +241,16 @@ class MediaFeatures:
         bytes or of the `blake3:<hash>` content uuid it names (checked against bytes sent with it)."""
         # Content keys private to the tenant unless sharing is configured (docs/security.md).
         owner = None if self.config.share_content_cache_across_tenants else tenant
-        key = functools.partial(item_key, fingerprint, tenant, item.uuid, data, namespace=self.config.cache.namespace,
-                                modality=item.modality, content_owner=owner)
+        key = functools.partial(
+            item_key,
+            fingerprint,
+            tenant,
+            item.uuid,
+            data,
+            namespace=self.config.cache.namespace,
+            modality=item.modality,
+            content_owner=owner,
+        )
         try:
             hashes = data is not None and (not item.uuid or parse_content_uuid(item.uuid) is not None)
             if hashes and len(data) >= HASH_IN_THREAD_BYTES:  # keep the event loop free for other streams
@@ -250,8 +282,15 @@ class MediaFeatures:
                 joined.append(key)
             elif key not in self._known:
                 item = next(item for item in media.items if item.key == key)
-                job = MediaJob(item.name, key, item.data, item.modality, media.tenant,
-                               keep_source=self._modalities.get(item.modality) == CONNECTOR, trace=tracing.carrier())
+                job = MediaJob(
+                    item.name,
+                    key,
+                    item.data,
+                    item.modality,
+                    media.tenant,
+                    keep_source=self._modalities.get(item.modality) == CONNECTOR,
+                    trace=tracing.carrier(),
+                )
                 self._inflight[key] = self._start(job)
                 own.append(key)
         if not own and not joined:

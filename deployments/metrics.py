@@ -26,12 +26,14 @@ class CacheMetrics:
     def __init__(self, cache: FeatureCache):
         self.cache = cache
         self.counter = metrics.Counter(
-            "iris_feature_cache_events", description="Feature-cache events by kind "
+            "iris_feature_cache_events",
+            description="Feature-cache events by kind "
             "(l1_hits, l1_misses, l2_hits, l2_misses, puts, corrupt, oversize, degraded transitions, ...)",
-            tag_keys=("event",))
+            tag_keys=("event",),
+        )
         self.degraded = metrics.Gauge(
-            "iris_feature_cache_degraded", description="Redis shards unreachable now (one Redis: 1 while it is down); "
-            "their keys are misses",
+            "iris_feature_cache_degraded",
+            description="Redis shards unreachable now (one Redis: 1 while it is down); their keys are misses",
         )
         self._last: dict[str, float] = {}
         # The level stays on the dashboard while the replica is idle (a thread: replicas build this in
@@ -65,9 +67,11 @@ class StageQueueMetrics:
 
     def __init__(self, stage: str):
         self.stage = stage
-        self.histogram = latency_histogram("iris_stage_queue_seconds", "Seconds an image or video waited for a "
-                                           "slot in a stage (Preprocess, VisionEncoder), by tenant",
-                                           tag_keys=("stage", "tenant"))
+        self.histogram = latency_histogram(
+            "iris_stage_queue_seconds",
+            "Seconds an image or video waited for a slot in a stage (Preprocess, VisionEncoder), by tenant",
+            tag_keys=("stage", "tenant"),
+        )
 
     def observe(self, seconds: float, tenant: str) -> None:
         self.histogram.observe(seconds, tags={"stage": self.stage, "tenant": metric_tenant(tenant)})
@@ -82,9 +86,12 @@ class RequestMetrics:
     def __init__(self):
         self.counts: Counter[str] = Counter()
         self.requests = metrics.Counter("iris_requests", description="Chat requests by outcome", tag_keys=("outcome",))
-        self.items = metrics.Counter("iris_images", description="Images and videos by how their features were "
-                                     "obtained (cached: feature-cache hit; computed: preprocess + encoder ran)",
-                                     tag_keys=("source",))
+        self.items = metrics.Counter(
+            "iris_images",
+            description="Images and videos by how their features were "
+            "obtained (cached: feature-cache hit; computed: preprocess + encoder ran)",
+            tag_keys=("source",),
+        )
         self.ttft = latency_histogram("iris_ttft_seconds", "Seconds from request arrival to the first token")
 
     def outcome(self, outcome: str) -> None:
@@ -92,8 +99,9 @@ class RequestMetrics:
         self.requests.inc(tags={"outcome": outcome})
 
     def error(self, status_code: int, code: str | None) -> None:
-        self.outcome("cache_miss" if code == "mm_cache_miss" else
-                     "client_error" if status_code < 500 else "server_error")
+        self.outcome(
+            "cache_miss" if code == "mm_cache_miss" else "client_error" if status_code < 500 else "server_error"
+        )
 
     def fetched(self, items: int) -> None:
         self.counts["media_fetched"] += items
@@ -115,16 +123,22 @@ class TenantMetrics:
     def __init__(self, counts: Counter[str]):
         self.counts = counts  # RequestMetrics.counts: totals for /iris/stats
         self.requests = metrics.Counter(
-            "iris_tenant_requests", description="Chat and completion requests per tenant (hashed) and outcome: "
+            "iris_tenant_requests",
+            description="Chat and completion requests per tenant (hashed) and outcome: "
             "admitted (past the key check and the tenant's limits), rate_limited (429); and 401s (no or a wrong "
             "key, on any route but /health) as tenant `none`, outcome unauthorized",
-            tag_keys=("tenant", "outcome"))
+            tag_keys=("tenant", "outcome"),
+        )
         self.limited = metrics.Counter(
-            "iris_tenant_rate_limited", description="429s per tenant (hashed) and the limit refused: concurrency, "
-            "images, prompt_tokens", tag_keys=("tenant", "limit"))
+            "iris_tenant_rate_limited",
+            description="429s per tenant (hashed) and the limit refused: concurrency, images, prompt_tokens",
+            tag_keys=("tenant", "limit"),
+        )
         self.prompt_tokens = metrics.Counter(
-            "iris_tenant_prompt_tokens", description="Prompt tokens charged per tenant (hashed), from answers' usage",
-            tag_keys=("tenant",))
+            "iris_tenant_prompt_tokens",
+            description="Prompt tokens charged per tenant (hashed), from answers' usage",
+            tag_keys=("tenant",),
+        )
 
     def _outcome(self, tag: str, outcome: str) -> None:
         self.counts[f"tenant_{outcome}"] += 1

@@ -46,8 +46,9 @@ class Preprocess:
             slots = max(1, math.ceil(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         self.gate = FairGate(slots, config.fair_sharing.enabled, config.fair_sharing.tenant_weights)
         self.queue_seconds = StageQueueMetrics("preprocess")
-        self.seconds = latency_histogram("iris_preprocess_seconds",
-                                         "Seconds to decode and preprocess one image or video")
+        self.seconds = latency_histogram(
+            "iris_preprocess_seconds", "Seconds to decode and preprocess one image or video"
+        )
         self.images_preprocessed = 0
         self.abandoned = 0  # calls whose caller left while they were working
         self.preprocessing = 0  # pixels() calls in progress (waiting for a slot or working)
@@ -68,8 +69,9 @@ class Preprocess:
         try:
             pixels = self.vision.preprocess(media, m)
         except ValueError as err:  # e.g. Qwen2-VL refuses aspect ratios above 200
-            raise bad_request(f"{m} cannot be preprocessed for this model: {err}", param=job.name,
-                              code=f"invalid_{m}") from err
+            raise bad_request(
+                f"{m} cannot be preprocessed for this model: {err}", param=job.name, code=f"invalid_{m}"
+            ) from err
         if job.keep_source:
             pixels.source = job.data
         return pixels
@@ -83,8 +85,9 @@ class Preprocess:
                 async with self.gate.slot(job.tenant) as waited:
                     self.queue_seconds.observe(waited, job.tenant)
                     if span.is_recording():
-                        span.set_attributes({"iris.modality": job.modality, "iris.bytes": len(job.data),
-                                             "iris.queue_seconds": waited})
+                        span.set_attributes(
+                            {"iris.modality": job.modality, "iris.bytes": len(job.data), "iris.queue_seconds": waited}
+                        )
                     return await self._preprocess(job)
         finally:
             self.preprocessing -= 1
@@ -112,5 +115,10 @@ class Preprocess:
         return pixels
 
     def stats(self) -> dict:
-        return {"images_preprocessed": self.images_preprocessed, "preprocessing": self.preprocessing,
-                "abandoned": self.abandoned, "waiting": self.gate.waiting, "torch_threads": torch.get_num_threads()}
+        return {
+            "images_preprocessed": self.images_preprocessed,
+            "preprocessing": self.preprocessing,
+            "abandoned": self.abandoned,
+            "waiting": self.gate.waiting,
+            "torch_threads": torch.get_num_threads(),
+        }

@@ -69,8 +69,14 @@ class RequestParser:
         self.fallback_model_len = config.engine_args.get("max_model_len")
         self.limits = {"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt}
         # Room for every image and video as base64 (4/3 of its bytes); the text's room comes on top.
-        self.max_media_bytes = (config.max_images_per_prompt * config.media.max_image_bytes
-                                + config.max_videos_per_prompt * config.media.max_video_bytes) * 4 // 3
+        self.max_media_bytes = (
+            (
+                config.max_images_per_prompt * config.media.max_image_bytes
+                + config.max_videos_per_prompt * config.media.max_video_bytes
+            )
+            * 4
+            // 3
+        )
         self.max_model_len: int | None = None
         self.warned = False
 
@@ -83,8 +89,12 @@ class RequestParser:
             except Exception as err:  # an LLMDecode of an older Iris (a rolling update), none up yet
                 if not self.warned:
                     self.warned = True
-                    logger.warning("max_model_len not known from LLMDecode (%s: %s); the config's: %s",
-                                   type(err).__name__, err, self.fallback_model_len)
+                    logger.warning(
+                        "max_model_len not known from LLMDecode (%s: %s); the config's: %s",
+                        type(err).__name__,
+                        err,
+                        self.fallback_model_len,
+                    )
                 if self.fallback_model_len is None:
                     return None
                 return self.fallback_model_len * self.bytes_per_token + TEXT_SLACK_BYTES
@@ -100,8 +110,13 @@ class RequestParser:
         max_text = await self.max_text_bytes()
         max_body = self.max_media_bytes + (max_text if max_text is not None else 1 << 20)
         # No request may hold more data: URLs than its images and videos (a 400 too_many_* else).
-        raw = await read_body(request.stream(), request.headers.get("content-length"), max_body, max_text,
-                              media_strings=sum(self.limits.values()))
+        raw = await read_body(
+            request.stream(),
+            request.headers.get("content-length"),
+            max_body,
+            max_text,
+            media_strings=sum(self.limits.values()),
+        )
         if raw is None:  # over the bound before parsing: a huge text was dropped as it arrived
             raise self._text_too_long(route, max_text)
         body = await parse_body(raw)
@@ -126,4 +141,7 @@ class RequestParser:
             f"This request's text (its body less its base64 images and videos) is more than the {max_text} "
             f"bytes that a prompt of this model's maximum context length, {model_len} tokens, can take at "
             f"{self.bytes_per_token} bytes a token. Please reduce the length of the input.",
-            status_code=400, param=TEXT_PARAM.get(route), code="context_length_exceeded")
+            status_code=400,
+            param=TEXT_PARAM.get(route),
+            code="context_length_exceeded",
+        )

@@ -31,15 +31,21 @@ class TracingConfig(BaseModel):
         description="Where spans go over OTLP, as vLLM's --otlp-traces-endpoint takes it: grpc "
         "`http://collector:4317`; http/protobuf the full URL `http://collector:4318/v1/traces`. None (the "
         "default): no tracing at all, at no cost. Set, every stage exports its spans (docs/operations.md: "
-        "Traces) and vLLM its `llm_request` span.")
+        "Traces) and vLLM its `llm_request` span.",
+    )
     protocol: Literal["grpc", "http/protobuf"] = Field(
-        "grpc", description="OTLP transport, for Iris's spans and vLLM's alike (vLLM reads it from "
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, which LLMDecode sets from this).")
+        "grpc",
+        description="OTLP transport, for Iris's spans and vLLM's alike (vLLM reads it from "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, which LLMDecode sets from this).",
+    )
     service_name: str = Field("iris", description="The spans' `service.name` resource attribute.")
     sample_ratio: float = Field(
-        1.0, ge=0, le=1,
+        1.0,
+        ge=0,
+        le=1,
         description="Share of requests traced (by trace id); a request whose client sent a `traceparent` "
-        "follows the client's sampling decision.")
+        "follows the client's sampling decision.",
+    )
 
 
 _tracer = None  # the process's Tracer once setup() found an endpoint; None: tracing is off
@@ -84,17 +90,21 @@ def setup(config: TracingConfig, process: str) -> None:
     if config.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint,
-                                    insecure=not config.otlp_endpoint.startswith("https://"))
+        exporter = OTLPSpanExporter(
+            endpoint=config.otlp_endpoint, insecure=not config.otlp_endpoint.startswith("https://")
+        )
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint)
     # A provider of this process's own, not OpenTelemetry's global one: vLLM sets that one
     # in LLMDecode's process for its own spans.
-    provider = TracerProvider(resource=Resource.create({"service.name": config.service_name,
-                                                        "iris.stage": process, "process.pid": os.getpid()}),
-                              sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": config.service_name, "iris.stage": process, "process.pid": os.getpid()}
+        ),
+        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+    )
     provider.add_span_processor(BatchSpanProcessor(exporter))
     import atexit
 
@@ -195,11 +205,17 @@ class RequestSpans:
             return await self.app(scope, receive, send)
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        client = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                  if k in (b"traceparent", b"tracestate")}
-        with _tracer.start_as_current_span("ingress.request", context=_context(client), kind=SpanKind.SERVER,
-                                           attributes={"http.request.method": scope["method"],
-                                                       "url.path": scope["path"]}) as root:
+        client = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"traceparent", b"tracestate")
+        }
+        with _tracer.start_as_current_span(
+            "ingress.request",
+            context=_context(client),
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": scope["method"], "url.path": scope["path"]},
+        ) as root:
             token = _request_span.set(root)
 
             async def send_traced(message):

@@ -70,12 +70,15 @@ def check_engine_args(values: dict[str, Any]) -> None:
             raise ValueError(f"engine_args.{name}: set through {OWNED[name]}, not engine_args")
     for name, required in REQUIRED.items():
         if name in values and values[name] != required:
-            raise ValueError(f"engine_args.{name} must be {required}: Iris feeds features as embeddings "
-                             "and relies on prefix caching")
+            raise ValueError(
+                f"engine_args.{name} must be {required}: Iris feeds features as embeddings and relies on prefix caching"
+            )
     unknown = sorted(set(values) - set(_defaults()))
     if unknown:
-        raise ValueError(f"unknown vLLM flags {unknown} (engine_args takes `vllm serve`'s flags, "
-                         "with underscores: `vllm serve --help`)")
+        raise ValueError(
+            f"unknown vLLM flags {unknown} (engine_args takes `vllm serve`'s flags, "
+            "with underscores: `vllm serve --help`)"
+        )
     args = serve_args(PLACEHOLDER, values)  # vLLM's parser and its own cross-checks
     problems = engine_settings.refusals(args)
     if problems:

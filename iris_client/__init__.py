@@ -14,5 +14,13 @@ from iris_client.errors import CacheMissError
 from iris_client.report import Report, Totals
 from iris_client.sent import SentKeys
 
-__all__ = ["AsyncIrisClient", "CONTENT_UUID_PREFIX", "CacheMissError", "IrisClient", "Report", "SentKeys",
-           "Totals", "content_uuid"]
+__all__ = [
+    "AsyncIrisClient",
+    "CONTENT_UUID_PREFIX",
+    "CacheMissError",
+    "IrisClient",
+    "Report",
+    "SentKeys",
+    "Totals",
+    "content_uuid",
+]

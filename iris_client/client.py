@@ -21,8 +21,9 @@ from iris_client.sent import PROCESS_SENT_KEYS, SentKeys
 
 
 class _Base:
-    def __init__(self, openai_client, *, fetch_urls: bool, sent: SentKeys | None,
-                 on_report: Callable[[Report], None] | None):
+    def __init__(
+        self, openai_client, *, fetch_urls: bool, sent: SentKeys | None, on_report: Callable[[Report], None] | None
+    ):
         self.openai = openai_client
         self.fetch_urls = fetch_urls  # http(s) images: fetched and hashed here (True) or passed to the server
         self.sent = PROCESS_SENT_KEYS if sent is None else sent
@@ -30,7 +31,9 @@ class _Base:
         self.totals = Totals()
         # Ids are per server and tenant: another base URL, key or header set starts afresh.
         headers = sorted((k.lower(), v) for k, v in (getattr(openai_client, "_custom_headers", None) or {}).items())
-        self.scope = blake3(repr((str(openai_client.base_url), openai_client.api_key, headers)).encode()).hexdigest()[:32]
+        self.scope = blake3(repr((str(openai_client.base_url), openai_client.api_key, headers)).encode()).hexdigest()[
+            :32
+        ]
 
     def __getattr__(self, name: str):
         if name == "openai":  # not set yet
@@ -98,10 +101,18 @@ class IrisClient(_Base):
     `openai_client`), plus `fetch_urls` (fetch http(s) images here to name them by content),
     `sent` (the ids known sent; the process's shared LRU by default) and `on_report`."""
 
-    def __init__(self, *, openai_client: openai.OpenAI | None = None, fetch_urls: bool = False,
-                 sent: SentKeys | None = None, on_report: Callable[[Report], None] | None = None, **kwargs):
-        super().__init__(openai_client or openai.OpenAI(**kwargs), fetch_urls=fetch_urls, sent=sent,
-                         on_report=on_report)
+    def __init__(
+        self,
+        *,
+        openai_client: openai.OpenAI | None = None,
+        fetch_urls: bool = False,
+        sent: SentKeys | None = None,
+        on_report: Callable[[Report], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(
+            openai_client or openai.OpenAI(**kwargs), fetch_urls=fetch_urls, sent=sent, on_report=on_report
+        )
         self._http = httpx.Client(timeout=60, follow_redirects=True) if fetch_urls else None
         self.chat = _Chat(_Completions(self))
 
@@ -131,10 +142,18 @@ class AsyncIrisClient(_Base):
     """`openai.AsyncOpenAI`, with upload-free images; as IrisClient. Loading and hashing images
     runs in a thread, off the event loop."""
 
-    def __init__(self, *, openai_client: openai.AsyncOpenAI | None = None, fetch_urls: bool = False,
-                 sent: SentKeys | None = None, on_report: Callable[[Report], None] | None = None, **kwargs):
-        super().__init__(openai_client or openai.AsyncOpenAI(**kwargs), fetch_urls=fetch_urls, sent=sent,
-                         on_report=on_report)
+    def __init__(
+        self,
+        *,
+        openai_client: openai.AsyncOpenAI | None = None,
+        fetch_urls: bool = False,
+        sent: SentKeys | None = None,
+        on_report: Callable[[Report], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(
+            openai_client or openai.AsyncOpenAI(**kwargs), fetch_urls=fetch_urls, sent=sent, on_report=on_report
+        )
         self._http = httpx.Client(timeout=60, follow_redirects=True) if fetch_urls else None
         self.chat = _Chat(_AsyncCompletions(self))
 

@@ -21,8 +21,14 @@ CONTENT_UUID_PREFIX = "blake3:"
 
 # Magic numbers of the formats servers decode, for the data: URL's media type (the server
 # decodes by content; the type must only say image/*).
-_MAGIC = [(b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
-          (b"BM", "image/bmp"), (b"II*\x00", "image/tiff"), (b"MM\x00*", "image/tiff")]
+_MAGIC = [
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF8", "image/gif"),
+    (b"BM", "image/bmp"),
+    (b"II*\x00", "image/tiff"),
+    (b"MM\x00*", "image/tiff"),
+]
 
 
 def content_uuid(data: bytes) -> str:
@@ -47,6 +53,7 @@ def is_remote_url(value: object) -> bool:
 @dataclass
 class Loaded:
     """What an image part stands for: its bytes, or (a URL passed through) the URL alone."""
+
     data: bytes | None
     url: str | None = None  # http(s) URL the server fetches itself (fetch_urls off)
 

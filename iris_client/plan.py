@@ -57,8 +57,10 @@ class Plan:
 
     def _image(self, part: dict, mi: int, pi: int) -> Item:
         if "image" not in part:
-            raise ValueError(f"messages[{mi}].content[{pi}]: an 'image' part needs 'image' (bytes, a path, "
-                             "a PIL image, a URL, or None with a uuid sent before)")
+            raise ValueError(
+                f"messages[{mi}].content[{pi}]: an 'image' part needs 'image' (bytes, a path, "
+                "a PIL image, a URL, or None with a uuid sent before)"
+            )
         item = Item(len(self.items), mi, pi, part.get("uuid"), part["image"], detail=part.get("detail"))
         if item.uuid is None:
             if item.source is None:
@@ -110,8 +112,14 @@ class Plan:
         for i in missing:
             if 0 <= i < len(self.items) and self.items[i].uuid is not None:
                 self.sent.discard((self.scope, self.items[i].uuid))
-        hopeless = [i for i in missing if not (0 <= i < len(self.items)) or self.items[i].full
-                    or self.items[i].passthrough is not None or self.items[i].source is None]
+        hopeless = [
+            i
+            for i in missing
+            if not (0 <= i < len(self.items))
+            or self.items[i].full
+            or self.items[i].passthrough is not None
+            or self.items[i].source is None
+        ]
         if not hopeless:
             for i in missing:
                 self.items[i].full = True

@@ -19,6 +19,7 @@ class Report:
 @dataclass
 class Totals:
     """Running totals of a client (all its requests that got an answer)."""
+
     requests: int = 0
     resends: int = 0  # requests that needed a resend
     images: int = 0

@@ -75,9 +75,7 @@ class IrisError(Exception):
         )
 
 
-def bad_request(
-    message: str, param: str | None = None, code: str | None = None, **extra: Any
-) -> IrisError:
+def bad_request(message: str, param: str | None = None, code: str | None = None, **extra: Any) -> IrisError:
     """400 invalid_request_error: the client sent something we cannot serve."""
     return IrisError(message, status_code=400, param=param, code=code, extra=extra)
 
@@ -92,8 +90,9 @@ MODEL_CHANGED = "model_changed"
 
 def model_changed() -> IrisError:
     """503: a stage keyed for other weights than its own (a rolling update); the client retries."""
-    return IrisError("the model was updated while this request was in flight; retry", status_code=503,
-                     code=MODEL_CHANGED)
+    return IrisError(
+        "the model was updated while this request was in flight; retry", status_code=503, code=MODEL_CHANGED
+    )
 
 
 def causes(err: BaseException | None, limit: int = 16) -> Iterator[BaseException]:
@@ -105,4 +104,3 @@ def causes(err: BaseException | None, limit: int = 16) -> Iterator[BaseException
         yield err
         ray_cause = getattr(err, "cause", None)
         err = err.__cause__ or err.__context__ or (ray_cause if isinstance(ray_cause, BaseException) else None)
-

@@ -48,6 +48,7 @@ class EncodedMedia:
 @dataclass
 class DecodeCall:
     """One request for vLLM's serving layer on an LLMDecode replica."""
+
     route: str  # "chat" | "completion" | "responses": which of vLLM's serving objects answers it
     body: Any  # vLLM's validated request model; each image and video already a keyed part (keyed_media.py)
     media_keys: list[str] = field(default_factory=list)  # one per image or video, in prompt order
@@ -64,6 +65,7 @@ class DecodeCall:
 class DecodeOpened:
     """LLMDecode's first message for a call: the answer's status and, unless it streams, its body
     (vLLM's JSON: the response or its error). A streamed answer follows as SSE text, then `DecodeDone`."""
+
     status: int = 200
     body: str | None = None  # None: streamed
     missing_keys: list[str] | None = None  # features vanished from the cache: the ingress computes them again
@@ -73,6 +75,7 @@ class DecodeOpened:
 @dataclass
 class DecodeDone:
     """LLMDecode's last message: what the engine counted for the request (tenant limits, metrics)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -43,9 +43,12 @@ def _processing_source(arch: str) -> str:
         raise ImportError(f"vLLM could not import {arch}")
     factory = model_cls._processor_factory
     # A factory part is a class, or a function that picks one (LLaVA's: LLaVA or Pixtral-HF): its module.
-    modules = {cls.__module__ for part in (factory.processor, factory.info)
-               for cls in (inspect.getmro(part) if isinstance(part, type) else [part])
-               if cls.__module__.startswith("vllm.model_executor.models.")}
+    modules = {
+        cls.__module__
+        for part in (factory.processor, factory.info)
+        for cls in (inspect.getmro(part) if isinstance(part, type) else [part])
+        if cls.__module__.startswith("vllm.model_executor.models.")
+    }
     return "\n".join(inspect.getsource(sys.modules[m]) for m in sorted(modules))
 
 
@@ -104,8 +107,10 @@ def rows() -> list[tuple[str, str, str]]:
             status = NO_BUILTIN[arch]
         elif arch in builtins:
             family, builtin, path = builtins[arch]
-            status = (f"**served** through {path}: `builtin:tiny-{family.replace('_', '-')}`, "
-                      f"`{TESTS[builtin.tested]}` [{family}]")
+            status = (
+                f"**served** through {path}: `builtin:tiny-{family.replace('_', '-')}`, "
+                f"`{TESTS[builtin.tested]}` [{family}]"
+            )
         else:
             status = _why_not(arch)
         table.append((arch, f"{module.removeprefix('vllm.model_executor.models.')}.py", status))
@@ -121,13 +126,15 @@ def render(table: list[tuple[str, str, str]] | None = None) -> str:
     table = table or rows()
     served = [s for *_, s in table if s.startswith("**served**")]
     connector = sum("the EC connector" in s for s in served)
-    lines = [BEGIN,
-             f"Made by `scripts/family_table.py` from vLLM {vllm.__version__}'s model registry: "
-             f"{len(table)} multimodal architectures, {len(served)} served and tested ({len(served) - connector} "
-             f"through image embeddings, {connector} through the EC connector).",
-             "",
-             "| architecture | vLLM model file | Iris |",
-             "|---|---|---|"]
+    lines = [
+        BEGIN,
+        f"Made by `scripts/family_table.py` from vLLM {vllm.__version__}'s model registry: "
+        f"{len(table)} multimodal architectures, {len(served)} served and tested ({len(served) - connector} "
+        f"through image embeddings, {connector} through the EC connector).",
+        "",
+        "| architecture | vLLM model file | Iris |",
+        "|---|---|---|",
+    ]
     lines += [f"| `{arch}` | `{module}` | {status} |" for arch, module, status in table]
     lines.append(END)
     return "\n".join(lines)
@@ -144,8 +151,10 @@ def readme_list(table: list[tuple[str, str, str]] | None = None) -> str:
         if match:
             by_path[match.group(1)].append(BUILDERS[match.group(2)].name)
     embeddings, connector = (", ".join(sorted(names, key=str.lower)) for names in by_path.values())
-    return (f"{README_BEGIN}{embeddings}; through Iris's EC connector, where vLLM takes no image embeddings "
-            f"(or none for images of other sizes in one prompt): {connector}{README_END}")
+    return (
+        f"{README_BEGIN}{embeddings}; through Iris's EC connector, where vLLM takes no image embeddings "
+        f"(or none for images of other sizes in one prompt): {connector}{README_END}"
+    )
 
 
 def doc_table(text: str, begin: str = BEGIN, end: str = END) -> str:

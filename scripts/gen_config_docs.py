@@ -53,8 +53,16 @@ def description(model: type, name: str) -> str:
 # Types, bounds, defaults
 # ---------------------------------------------------------------------------
 
-_BOUNDS = (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤"), ("multiple_of", "multiple of"),
-           ("min_length", "length ≥"), ("max_length", "length ≤"), ("pattern", "pattern"))
+_BOUNDS = (
+    ("gt", ">"),
+    ("ge", "≥"),
+    ("lt", "<"),
+    ("le", "≤"),
+    ("multiple_of", "multiple of"),
+    ("min_length", "length ≥"),
+    ("max_length", "length ≤"),
+    ("pattern", "pattern"),
+)
 
 
 def _bounds(metadata: list[Any]) -> str:
@@ -156,10 +164,19 @@ def _where(model: type) -> str:
 
 def _tables(model: type, prefix: str, title: str, out: list[str]) -> None:
     nested = []
-    out += [f"### {title}", "", f"{_where(model)}."
-            + (" Unknown keys stop start-up with a message naming them." if model.model_config.get("extra") == "forbid"
-               else ""), "",
-            "| field | type | default | description |", "|---|---|---|---|"]
+    out += [
+        f"### {title}",
+        "",
+        f"{_where(model)}."
+        + (
+            " Unknown keys stop start-up with a message naming them."
+            if model.model_config.get("extra") == "forbid"
+            else ""
+        ),
+        "",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
+    ]
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
         sub = _nested_model(info.annotation)
@@ -171,8 +188,12 @@ def _tables(model: type, prefix: str, title: str, out: list[str]) -> None:
             default = f"see [`{path}`](#{anchor})"
         else:
             default = _default(info)
-        row = [f"`{path}`", f"`{_type(info.annotation) if sub else _field_type(info)}`", default,
-               description(model, name) or "—"]
+        row = [
+            f"`{path}`",
+            f"`{_type(info.annotation) if sub else _field_type(info)}`",
+            default,
+            description(model, name) or "—",
+        ]
         out.append("| " + " | ".join(_cell(c) for c in row) + " |")
     out.append("")
     for sub, path in nested:
@@ -182,13 +203,15 @@ def _tables(model: type, prefix: str, title: str, out: list[str]) -> None:
 def render(model: type | None = None) -> str:
     """The reference section, markers included, for `model` (default: IrisConfig)."""
     model = model or _root_model()
-    out = [BEGIN,
-           "<!-- Made by scripts/gen_config_docs.py from the pydantic models: do not edit by hand. -->",
-           "",
-           "Made by `scripts/gen_config_docs.py` from the pydantic models (`--check` says whether this "
-           "is stale; `tests/test_docs.py` fails when it is). Types are Python's: `None` is YAML's `null`, "
-           "a `frozenset` is written as a YAML list. Bounds in brackets are enforced at start-up.",
-           ""]
+    out = [
+        BEGIN,
+        "<!-- Made by scripts/gen_config_docs.py from the pydantic models: do not edit by hand. -->",
+        "",
+        "Made by `scripts/gen_config_docs.py` from the pydantic models (`--check` says whether this "
+        "is stale; `tests/test_docs.py` fails when it is). Types are Python's: `None` is YAML's `null`, "
+        "a `frozenset` is written as a YAML list. Bounds in brackets are enforced at start-up.",
+        "",
+    ]
     _tables(model, "", "args", out)
     out.append(END)
     return "\n".join(out)

@@ -32,8 +32,12 @@ IMAGE_REPOSITORY = "iris"  # retag and change this (and regenerate) to pull from
 # Variants: output -> (overrides of the RayService without its Serve config, overrides of the Serve config),
 # each merged onto cluster/rayservice.base.yaml and onto serve_config.yaml + cluster/serve_overrides.yaml.
 TENSOR_PARALLEL = ROOT / "cluster/tensor_parallel"
-VARIANTS = {TENSOR_PARALLEL / "rayservice.yaml": (TENSOR_PARALLEL / "cluster_overrides.yaml",
-                                                  TENSOR_PARALLEL / "serve_overrides.yaml")}
+VARIANTS = {
+    TENSOR_PARALLEL / "rayservice.yaml": (
+        TENSOR_PARALLEL / "cluster_overrides.yaml",
+        TENSOR_PARALLEL / "serve_overrides.yaml",
+    )
+}
 
 
 def image() -> str:
@@ -138,9 +142,16 @@ def render(output: Path = OUTPUT) -> str:
     config = yaml.dump(config, Dumper=_Dumper, sort_keys=False, width=120)
     spec = {"serveConfigV2": config, **manifest["spec"]}  # serveConfigV2 first: what users look for
     manifest["spec"] = spec
-    header = HEADER.format(image=ref) if cluster_overrides is None else VARIANT_HEADER.format(
-        image=ref, output=output.relative_to(ROOT), cluster_overrides=cluster_overrides.relative_to(ROOT),
-        serve_overrides=serve_overrides.relative_to(ROOT))
+    header = (
+        HEADER.format(image=ref)
+        if cluster_overrides is None
+        else VARIANT_HEADER.format(
+            image=ref,
+            output=output.relative_to(ROOT),
+            cluster_overrides=cluster_overrides.relative_to(ROOT),
+            serve_overrides=serve_overrides.relative_to(ROOT),
+        )
+    )
     return header + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=120)
 
 

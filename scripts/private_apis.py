@@ -50,92 +50,235 @@ def _ray_serve_env(name: str, used_in: tuple[str, ...], why: str) -> Private:
     return Private("ray", "ray.serve._private.constants", name, "env", used_in, why)
 
 
-HAPROXY_WHY = ("the benchmark's HAProxy systems side by side on one machine: files and ports of "
-               "their own (RAY_SERVE_ENABLE_HA_PROXY itself is documented, KubeRay's "
-               "high-throughput guide; these knobs are not)")
+HAPROXY_WHY = (
+    "the benchmark's HAProxy systems side by side on one machine: files and ports of "
+    "their own (RAY_SERVE_ENABLE_HA_PROXY itself is documented, KubeRay's "
+    "high-throughput guide; these knobs are not)"
+)
 SYSTEMS, HARNESS_TEST = "bench/harness/systems.py", "tests/test_bench_harness.py"
 
 PRIVATE_APIS: tuple[Private, ...] = (
     # --- Ray Serve -------------------------------------------------------------------------
-    Private("ray", "ray.serve.handle.DeploymentResponse", "_to_object_ref", "attr",
-            ("deployments/media_features.py",),
-            "the encoder call's result as an ObjectRef in a task of its own, awaited once however "
-            "many requests join the same encode; no public way to turn a response into a ref"),
-    Private("ray", "ray.serve.context.ReplicaContext", "_deployment_config", "field",
-            ("deployments/decode.py",),
-            "the deployment's autoscaling maximum, how many CPU engines may share a node "
-            "(engine core binding); the replica context exposes no public deployment config"),
-    Private("ray", "ray.serve.context", "_get_global_client", "attr",
-            ("bench/harness/serve_runner.py", "tests/support/apps.py"),
-            "deploy a ServeDeploySchema from Python, as `serve deploy` does, without the "
-            "dashboard's REST API"),
-    Private("ray", "ray.serve.request_router.RequestRouter", "_choose_replica_for_request", "attr",
-            ("tests/test_image_affinity_router.py",),
-            "drive ImageAffinityRouter through Serve's own routing loop without a cluster"),
-    Private("ray", "ray.serve._private.common", "DeploymentHandleSource", "attr",
-            ("tests/test_image_affinity_router.py",), "a router built outside Serve, as Serve's tests do"),
-    Private("ray", "ray.serve._private.common", "RequestMetadata", "attr",
-            ("tests/test_image_affinity_router.py",), "a pending request built outside Serve"),
-    Private("ray", "ray.serve._private.test_utils", "FAKE_REPLICA_DEPLOYMENT_ID", "attr",
-            ("tests/test_image_affinity_router.py",), "Serve's in-memory fake replicas"),
-    Private("ray", "ray.serve._private.test_utils", "FakeRunningReplica", "attr",
-            ("tests/test_image_affinity_router.py",), "Serve's in-memory fake replicas"),
-    Private("ray", "ray._common.utils", "import_attr", "attr", ("tests/test_configs.py",),
-            "resolve a config's import_path exactly as Serve does"),
-    Private("ray", "ray._private.worker", "global_worker", "attr",
-            ("tests/support/prometheus.py", "tests/test_serving_tenants.py"),
-            "the Ray session's folder: its log folder (no secret may reach any log), and its Prometheus "
-            "service-discovery file (/tmp/ray's link may point at another session on a shared machine)"),
-    _ray_serve_env("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
-                   ("deployments/ingress.py", "serve_config.yaml", "cluster/rayservice.yaml",
-                    "cluster/tensor_parallel/rayservice.yaml"),
-                   "the ingress's FastAPI code on the replica's event loop (one thread hop less a request)"),
-    _ray_serve_env("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", ("tests/conftest.py",),
-                   "the dashboard test's healthy-replica panel: Serve's status gauges every second, not every "
-                   "10 s, which Ray drops between its (test-shortened) metric reports"),
-    _ray_serve_env("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", ("bench/autoscale.py",),
-                   "the autoscaling benchmark's queue lengths every second, not every 10 s"),
-    _ray_serve_env("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", ("bench/autoscale.py",),
-                   "the autoscaling benchmark's queue lengths every second, not every 10 s"),
-    *(_ray_serve_env(name, (SYSTEMS, HARNESS_TEST), HAPROXY_WHY) for name in (
-        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_PORT",
-        "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT")),
-    *(_ray_serve_env(name, (SYSTEMS,), HAPROXY_WHY) for name in (
-        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT")),
-    _ray_serve_env("RAY_SERVE_ENABLE_HA_PROXY", (SYSTEMS, HARNESS_TEST, "tests/test_configs.py",
-                                                 "cluster/rayservice.base.yaml", "cluster/rayservice.yaml",
-                                                 "cluster/tensor_parallel/rayservice.yaml", "serve_config.yaml"),
-                   "HAProxy in front of the ingress replicas (documented, but read by a private module)"),
+    Private(
+        "ray",
+        "ray.serve.handle.DeploymentResponse",
+        "_to_object_ref",
+        "attr",
+        ("deployments/media_features.py",),
+        "the encoder call's result as an ObjectRef in a task of its own, awaited once however "
+        "many requests join the same encode; no public way to turn a response into a ref",
+    ),
+    Private(
+        "ray",
+        "ray.serve.context.ReplicaContext",
+        "_deployment_config",
+        "field",
+        ("deployments/decode.py",),
+        "the deployment's autoscaling maximum, how many CPU engines may share a node "
+        "(engine core binding); the replica context exposes no public deployment config",
+    ),
+    Private(
+        "ray",
+        "ray.serve.context",
+        "_get_global_client",
+        "attr",
+        ("bench/harness/serve_runner.py", "tests/support/apps.py"),
+        "deploy a ServeDeploySchema from Python, as `serve deploy` does, without the dashboard's REST API",
+    ),
+    Private(
+        "ray",
+        "ray.serve.request_router.RequestRouter",
+        "_choose_replica_for_request",
+        "attr",
+        ("tests/test_image_affinity_router.py",),
+        "drive ImageAffinityRouter through Serve's own routing loop without a cluster",
+    ),
+    Private(
+        "ray",
+        "ray.serve._private.common",
+        "DeploymentHandleSource",
+        "attr",
+        ("tests/test_image_affinity_router.py",),
+        "a router built outside Serve, as Serve's tests do",
+    ),
+    Private(
+        "ray",
+        "ray.serve._private.common",
+        "RequestMetadata",
+        "attr",
+        ("tests/test_image_affinity_router.py",),
+        "a pending request built outside Serve",
+    ),
+    Private(
+        "ray",
+        "ray.serve._private.test_utils",
+        "FAKE_REPLICA_DEPLOYMENT_ID",
+        "attr",
+        ("tests/test_image_affinity_router.py",),
+        "Serve's in-memory fake replicas",
+    ),
+    Private(
+        "ray",
+        "ray.serve._private.test_utils",
+        "FakeRunningReplica",
+        "attr",
+        ("tests/test_image_affinity_router.py",),
+        "Serve's in-memory fake replicas",
+    ),
+    Private(
+        "ray",
+        "ray._common.utils",
+        "import_attr",
+        "attr",
+        ("tests/test_configs.py",),
+        "resolve a config's import_path exactly as Serve does",
+    ),
+    Private(
+        "ray",
+        "ray._private.worker",
+        "global_worker",
+        "attr",
+        ("tests/support/prometheus.py", "tests/test_serving_tenants.py"),
+        "the Ray session's folder: its log folder (no secret may reach any log), and its Prometheus "
+        "service-discovery file (/tmp/ray's link may point at another session on a shared machine)",
+    ),
+    _ray_serve_env(
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
+        (
+            "deployments/ingress.py",
+            "serve_config.yaml",
+            "cluster/rayservice.yaml",
+            "cluster/tensor_parallel/rayservice.yaml",
+        ),
+        "the ingress's FastAPI code on the replica's event loop (one thread hop less a request)",
+    ),
+    _ray_serve_env(
+        "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S",
+        ("tests/conftest.py",),
+        "the dashboard test's healthy-replica panel: Serve's status gauges every second, not every "
+        "10 s, which Ray drops between its (test-shortened) metric reports",
+    ),
+    _ray_serve_env(
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+        ("bench/autoscale.py",),
+        "the autoscaling benchmark's queue lengths every second, not every 10 s",
+    ),
+    _ray_serve_env(
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
+        ("bench/autoscale.py",),
+        "the autoscaling benchmark's queue lengths every second, not every 10 s",
+    ),
+    *(
+        _ray_serve_env(name, (SYSTEMS, HARNESS_TEST), HAPROXY_WHY)
+        for name in (
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
+            "RAY_SERVE_HAPROXY_SOCKET_PATH",
+            "RAY_SERVE_HAPROXY_METRICS_PORT",
+            "RAY_SERVE_HAPROXY_STATS_PORT",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT",
+        )
+    ),
+    *(
+        _ray_serve_env(name, (SYSTEMS,), HAPROXY_WHY)
+        for name in (
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE",
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT",
+        )
+    ),
+    _ray_serve_env(
+        "RAY_SERVE_ENABLE_HA_PROXY",
+        (
+            SYSTEMS,
+            HARNESS_TEST,
+            "tests/test_configs.py",
+            "cluster/rayservice.base.yaml",
+            "cluster/rayservice.yaml",
+            "cluster/tensor_parallel/rayservice.yaml",
+            "serve_config.yaml",
+        ),
+        "HAProxy in front of the ingress replicas (documented, but read by a private module)",
+    ),
     # --- vLLM ------------------------------------------------------------------------------
-    Private("vllm", "vllm.distributed.ec_transfer.ec_connector.base.ECConnectorBase", "_get_connector_metadata",
-            "attr", ("pipeline/model/ec_connector.py",),
-            "the step's connector metadata on the worker side, as vLLM's own EC connectors read it"),
-    Private("vllm", "vllm.distributed.ec_transfer.ec_connector.metrics.ECConnectorPromMetrics", "_counter_cls",
-            "instance", ("pipeline/model/ec_connector.py",),
-            "the Counter class vLLM gives its connector metrics, so Iris's counters land where vLLM's do"),
-    Private("vllm", "vllm.model_executor.models.registry", "_MULTIMODAL_MODELS", "attr",
-            ("scripts/family_table.py",), "every multimodal architecture vLLM registers (the family table)"),
-    Private("vllm", "vllm.model_executor.models.registry", "_PREVIOUSLY_SUPPORTED_MODELS", "attr",
-            ("scripts/family_table.py",), "architectures vLLM dropped (the family table's removed rows)"),
-    Private("vllm", "vllm.model_executor.models.registry.ModelRegistry", "_try_load_model_cls", "attr",
-            ("scripts/family_table.py",), "an architecture's model class, or None, without raising"),
-    Private("vllm", "vllm.model_executor.models.gemma3_mm.Gemma3ForConditionalGeneration", "_processor_factory",
-            "attr", ("scripts/family_table.py",),
-            "the processor classes vLLM registered for a model class (every multimodal one has it; "
-            "checked on Gemma 3's): where the family table reads how features reach the model"),
-    Private("vllm", "vllm.model_executor.layers.rotary_embedding", "_ROPE_DICT", "attr",
-            ("tests/support/family_engine.py",),
-            "vLLM shares rotary embeddings between models built in one process; the encoder-only "
-            "build leaves the language model's unallocated, so the test clears it"),
-    Private("vllm", "vllm.renderers.chat_utils", "_get_embeds_data", "attr", ("pipeline/model/vision_model.py",),
-            "how vLLM's chat parser merges a request's image_embeds parts: the embedding input Iris checks at "
-            "start-up is the one the engine will get"),
+    Private(
+        "vllm",
+        "vllm.distributed.ec_transfer.ec_connector.base.ECConnectorBase",
+        "_get_connector_metadata",
+        "attr",
+        ("pipeline/model/ec_connector.py",),
+        "the step's connector metadata on the worker side, as vLLM's own EC connectors read it",
+    ),
+    Private(
+        "vllm",
+        "vllm.distributed.ec_transfer.ec_connector.metrics.ECConnectorPromMetrics",
+        "_counter_cls",
+        "instance",
+        ("pipeline/model/ec_connector.py",),
+        "the Counter class vLLM gives its connector metrics, so Iris's counters land where vLLM's do",
+    ),
+    Private(
+        "vllm",
+        "vllm.model_executor.models.registry",
+        "_MULTIMODAL_MODELS",
+        "attr",
+        ("scripts/family_table.py",),
+        "every multimodal architecture vLLM registers (the family table)",
+    ),
+    Private(
+        "vllm",
+        "vllm.model_executor.models.registry",
+        "_PREVIOUSLY_SUPPORTED_MODELS",
+        "attr",
+        ("scripts/family_table.py",),
+        "architectures vLLM dropped (the family table's removed rows)",
+    ),
+    Private(
+        "vllm",
+        "vllm.model_executor.models.registry.ModelRegistry",
+        "_try_load_model_cls",
+        "attr",
+        ("scripts/family_table.py",),
+        "an architecture's model class, or None, without raising",
+    ),
+    Private(
+        "vllm",
+        "vllm.model_executor.models.gemma3_mm.Gemma3ForConditionalGeneration",
+        "_processor_factory",
+        "attr",
+        ("scripts/family_table.py",),
+        "the processor classes vLLM registered for a model class (every multimodal one has it; "
+        "checked on Gemma 3's): where the family table reads how features reach the model",
+    ),
+    Private(
+        "vllm",
+        "vllm.model_executor.layers.rotary_embedding",
+        "_ROPE_DICT",
+        "attr",
+        ("tests/support/family_engine.py",),
+        "vLLM shares rotary embeddings between models built in one process; the encoder-only "
+        "build leaves the language model's unallocated, so the test clears it",
+    ),
+    Private(
+        "vllm",
+        "vllm.renderers.chat_utils",
+        "_get_embeds_data",
+        "attr",
+        ("pipeline/model/vision_model.py",),
+        "how vLLM's chat parser merges a request's image_embeds parts: the embedding input Iris checks at "
+        "start-up is the one the engine will get",
+    ),
     # --- httpx / httpcore ------------------------------------------------------------------
-    Private("httpx", "httpx.AsyncHTTPTransport", "_pool", "instance", ("pipeline/media/fetch_client.py",),
-            "the transport's httpcore pool replaced by one with Iris's network backend (every "
-            "connection checked against the fetch policy); httpx exposes no backend setting"),
+    Private(
+        "httpx",
+        "httpx.AsyncHTTPTransport",
+        "_pool",
+        "instance",
+        ("pipeline/media/fetch_client.py",),
+        "the transport's httpcore pool replaced by one with Iris's network backend (every "
+        "connection checked against the fetch policy); httpx exposes no backend setting",
+    ),
 )
 
 # --- The scan -------------------------------------------------------------------------------
@@ -156,7 +299,7 @@ def private(name: str) -> bool:
 def _files(roots, pattern):
     for root in roots:
         path = ROOT / root
-        for file in ([path] if path.is_file() else sorted(path.rglob(pattern))):
+        for file in [path] if path.is_file() else sorted(path.rglob(pattern)):
             rel = file.relative_to(ROOT).as_posix()
             if "__pycache__" not in rel and rel not in SKIP:
                 yield rel, file
@@ -240,11 +383,21 @@ def scan_file(rel: str, source: str, own: set[str]) -> set[str]:
         elif isinstance(node, ast.Call) and len(node.args) > 1:
             func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
             arg = node.args[1]
-            if (func in ("getattr", "setattr", "hasattr", "delattr") and isinstance(arg, ast.Constant)
-                    and isinstance(arg.value, str) and private(arg.value) and (strict or arg.value not in own)):
+            if (
+                func in ("getattr", "setattr", "hasattr", "delattr")
+                and isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+                and private(arg.value)
+                and (strict or arg.value not in own)
+            ):
                 found.add("." + arg.value)
-        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value)
-                and node.value.split(".")[0] not in FIRST_PARTY and any(map(private, node.value.split(".")[1:]))):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and DOTTED.fullmatch(node.value)
+            and node.value.split(".")[0] not in FIRST_PARTY
+            and any(map(private, node.value.split(".")[1:]))
+        ):
             found.add(node.value)
     return found | set(ENV.findall(source))
 
@@ -302,7 +455,9 @@ def main() -> None:
         print(f"NOT LISTED: {token} in {', '.join(sorted(files))}")
     for entry in PRIVATE_APIS:
         if used_in(entry, uses) != set(entry.used_in):
-            print(f"USED ELSEWHERE: {entry.dotted}: listed {sorted(entry.used_in)}, found {sorted(used_in(entry, uses))}")
+            print(
+                f"USED ELSEWHERE: {entry.dotted}: listed {sorted(entry.used_in)}, found {sorted(used_in(entry, uses))}"
+            )
 
 
 if __name__ == "__main__":

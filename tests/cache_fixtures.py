@@ -19,10 +19,14 @@ import redis
 import torch
 
 from bench.harness.redis_servers import RedisProcess
-from cache_service.features import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
-from tests.support.namespaces import SHARED_REDIS_URL, delete_namespace, new_namespace  # noqa: F401  (SHARED_REDIS_URL: re-exported)
+from cache_service.features import Features
+from tests.support.namespaces import (  # noqa: F401  (SHARED_REDIS_URL: re-exported)
+    SHARED_REDIS_URL,
+    delete_namespace,
+    new_namespace,
+)
 
 FINGERPRINT = "0123abcd"
 

@@ -45,12 +45,20 @@ def pytest_configure(config):
 # hands each app from one to the next:
 # AppPool keeps one idle app, so each of these apps starts once. test_rollout updates the Qwen2-VL
 # app in place, so it comes last.
-APP_SHARING_ORDER = [("test_serving_tenants", None), ("test_text_limits", None), ("test_client", "tenants"),
-                     ("test_dashboard", None),
-                     ("test_api_parity", None), ("test_vllm_serve_ec", None), ("test_serving", "llava"),
-                     ("test_client", "llava"),
-                     ("test_tracing", None), ("test_families", None), ("test_serving", "qwen2_vl"),
-                     ("test_rollout", None)]
+APP_SHARING_ORDER = [
+    ("test_serving_tenants", None),
+    ("test_text_limits", None),
+    ("test_client", "tenants"),
+    ("test_dashboard", None),
+    ("test_api_parity", None),
+    ("test_vllm_serve_ec", None),
+    ("test_serving", "llava"),
+    ("test_client", "llava"),
+    ("test_tracing", None),
+    ("test_families", None),
+    ("test_serving", "qwen2_vl"),
+    ("test_rollout", None),
+]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture parameters
@@ -136,11 +144,26 @@ class VllmServers:
         from bench.harness.systems import EngineSettings, _start_vllm
 
         ec_dir = self.tmp.mktemp(f"ec-{family}-{dtype}")
-        ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
-              "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}
-        engine = EngineSettings(self.checkpoint(family), dtype, 2048, 2, 1,
-                                ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec),
-                                 "--enable-prompt-tokens-details"))  # as Iris by default (usage.cached_tokens)
+        ec = {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": "ec_both",
+            "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)},
+        }
+        engine = EngineSettings(
+            self.checkpoint(family),
+            dtype,
+            2048,
+            2,
+            1,
+            (
+                "--seed",
+                "0",
+                "--enforce-eager",
+                "--ec-transfer-config",
+                json.dumps(ec),
+                "--enable-prompt-tokens-details",
+            ),
+        )  # as Iris by default (usage.cached_tokens)
         return _start_vllm(1, engine, self.tmp.mktemp("vllm"), time.monotonic(), 600), ec_dir
 
     def _stop(self, key: tuple[str, str]) -> None:
@@ -180,9 +203,16 @@ def ray_cluster():
     os.environ.setdefault("RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", "1")
     # Behind HAProxy, as Iris is run (README: Quickstart); its files and ports of its own.
     os.environ.update(haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-"))))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "resources": {CPU_NODE: 1000}, "object_store_memory": 3 << 30,
-        "include_dashboard": True, "dashboard_port": free_port()})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 8,
+            "resources": {CPU_NODE: 1000},
+            "object_store_memory": 3 << 30,
+            "include_dashboard": True,
+            "dashboard_port": free_port(),
+        },
+    )
     assert ACCELERATOR_NODE in ACCELERATOR_NODE_ARGS["resources"]
     cluster.add_node(**ACCELERATOR_NODE_ARGS)
     ray.init(address=cluster.address, log_to_driver=False)

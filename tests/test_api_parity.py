@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 
 import httpx
 import numpy as np
@@ -35,9 +34,10 @@ def checkpoint(tiny_checkpoint):
 def systems(iris_apps, checkpoint, vllm_server):
     """(Iris base URL, vLLM base URL), started at once. The Iris app is kept running for
     tests/test_families.py, which compares the same app (its llava-float32 case) with vLLM."""
-    with beside(lambda: vllm_server("llava", "float32"),
-                iris_apps.use("iris-parity", reference_args(checkpoint, "float32", NAME), route_prefix="/parity",
-                              keep=True)) as (app, (vllm, _)):
+    with beside(
+        lambda: vllm_server("llava", "float32"),
+        iris_apps.use("iris-parity", reference_args(checkpoint, "float32", NAME), route_prefix="/parity", keep=True),
+    ) as (app, (vllm, _)):
         yield app.url, vllm
 
 
@@ -71,8 +71,12 @@ def chat(text: str = REFERENCE_TEXT, images: tuple[str, ...] = (), **params) -> 
 
 
 GREEDY = {"temperature": 0}
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 
 
 def corpus(tok) -> list[tuple[str, str, dict]]:
@@ -103,9 +107,16 @@ def corpus(tok) -> list[tuple[str, str, dict]]:
         ("logprobs-stream", "same", chat(logprobs=True, top_logprobs=2, stream=True, **GREEDY)),
         ("n2-seed", "same", chat(n=2, temperature=1.0, seed=11)),
         ("n2-seed-logprobs", "same", chat(n=2, temperature=1.0, seed=12, logprobs=True, top_logprobs=1)),
-        ("json-schema", "schema", chat("Answer in JSON.", max_tokens=40, temperature=0,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "r", "schema": SCHEMA}})),
+        (
+            "json-schema",
+            "schema",
+            chat(
+                "Answer in JSON.",
+                max_tokens=40,
+                temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+            ),
+        ),
         ("structured-choice", "same", chat(structured_outputs={"choice": ["yes", "no"]}, **GREEDY)),
         ("structured-regex", "same", chat(structured_outputs={"regex": "[a-c]{4}"}, **GREEDY)),
         # a bad value for each kind of parameter
@@ -125,8 +136,11 @@ def corpus(tok) -> list[tuple[str, str, dict]]:
         ("bad-logit-bias-token", "error", chat(logit_bias={"99999999": 5})),
         ("bad-response-format", "error", chat(response_format={"type": "xml"})),
         ("bad-json-schema", "error", chat(response_format={"type": "json_schema", "json_schema": {"name": "r"}})),
-        ("tools-without-parser", "error", chat(tools=[{"type": "function", "function": {"name": "f",
-                                                                                       "parameters": {}}}])),
+        (
+            "tools-without-parser",
+            "error",
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ),
         ("no-messages", "error", {"model": NAME, "max_tokens": 4}),
         ("wrong-model", "error", chat(model="nope", **GREEDY)),
     ]
@@ -155,9 +169,17 @@ def ask(base: str, body: dict) -> tuple[int, dict]:
     if status != 200:
         return status, {"error": answer}
     if not body.get("stream"):
-        return 200, {"choices": {c["index"]: {"text": c["message"]["content"], "finish": c["finish_reason"],
-                                              "logprobs": (c.get("logprobs") or {}).get("content")}
-                                 for c in answer["choices"]}, "usage": answer["usage"]}
+        return 200, {
+            "choices": {
+                c["index"]: {
+                    "text": c["message"]["content"],
+                    "finish": c["finish_reason"],
+                    "logprobs": (c.get("logprobs") or {}).get("content"),
+                }
+                for c in answer["choices"]
+            },
+            "usage": answer["usage"],
+        }
     choices, usage = {}, None
     for j in answer:
         usage = j.get("usage") or usage
@@ -200,7 +222,9 @@ def logprob_differences(i: int, a: list, b: list) -> list[str]:
             out.append(f"choices[{i}].logprobs[{t}]: {x} != {y}")
         for p, q in pairs:
             if p["token"] != q["token"] or abs(p["logprob"] - q["logprob"]) > LOGPROB_TOL:
-                out.append(f"choices[{i}].logprobs[{t}]: {p['token']!r} {p['logprob']} != {q['token']!r} {q['logprob']}")
+                out.append(
+                    f"choices[{i}].logprobs[{t}]: {p['token']!r} {p['logprob']} != {q['token']!r} {q['logprob']}"
+                )
     return out
 
 
@@ -225,8 +249,10 @@ def test_parity_corpus(iris_base, vllm_base, tokenizer):
                 except Exception as err:  # noqa: BLE001  (reported with both answers)
                     problems.append(f"{who}: structured output invalid: {err}")
         if problems:
-            failures.append(f"--- {name}\nrequest: {json.dumps(body)[:600]}\nproblems: {problems}\n"
-                            f"iris ({si}): {json.dumps(ai)[:1500]}\nvllm ({sv}): {json.dumps(av)[:1500]}")
+            failures.append(
+                f"--- {name}\nrequest: {json.dumps(body)[:600]}\nproblems: {problems}\n"
+                f"iris ({si}): {json.dumps(ai)[:1500]}\nvllm ({sv}): {json.dumps(av)[:1500]}"
+            )
         else:
             counts[kind] += 1
     print(f"parity: {len(cases) - len(failures)}/{len(cases)} agree {counts}")
@@ -237,6 +263,7 @@ def test_image_format_corpus_parity(iris_base, vllm_base):
     """Each format and mode (16-bit grey and RGB, alpha, palette transparency, CMYK, EXIF
     orientations, WebP, animated GIF, grey, 1-bit) gets vLLM's greedy tokens and logprobs: Iris
     decodes with vLLM's ImageMediaIO. A 16-bit grey PNG once got Iris's own rescaling."""
+
     def body(data: bytes, mime: str) -> dict:
         return chat(images=(data_url(data, mime),), logprobs=True, top_logprobs=2, **GREEDY)
 
@@ -246,8 +273,9 @@ def test_image_format_corpus_parity(iris_base, vllm_base):
         (si, ai), (sv, av) = (ask(base, body(data, mimes[name.split("-")[0]])) for base in (iris_base, vllm_base))
         problems = [f"status {si}, {sv}"] if (si, sv) != (200, 200) else differences(ai, av)
         if problems:
-            failures.append(f"--- {name}: {problems}\n"
-                            f"iris ({si}): {json.dumps(ai)[:800]}\nvllm ({sv}): {json.dumps(av)[:800]}")
+            failures.append(
+                f"--- {name}: {problems}\niris ({si}): {json.dumps(ai)[:800]}\nvllm ({sv}): {json.dumps(av)[:800]}"
+            )
         answers[name] = av
     assert not failures, "\n".join(failures)
     # The corpus is sensitive to the pixels: different images, different answers ...
@@ -292,8 +320,10 @@ def test_canaries_each_parameter_family_changes_the_answer(iris_base, tokenizer)
         "max_tokens": {"max_tokens": 3},
         "min_tokens/eos": {"logit_bias": {str(eos): 100}},
         "structured_outputs": {"structured_outputs": {"regex": "[a-c]{4}"}},
-        "response_format": {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
-                            "max_tokens": 40},
+        "response_format": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+            "max_tokens": 40,
+        },
         "sampling": {"temperature": 1.0, "seed": 5, "top_k": 50, "min_p": 0.0},
     }
     same = [k for k, v in variants.items() if _answer(iris_base, {**base, **v})["choices"][0]["text"] == text]
@@ -319,13 +349,19 @@ def test_canaries_each_parameter_family_changes_the_answer(iris_base, tokenizer)
 def test_parameters_iris_once_refused_answer_as_vllm_serve(iris_base, vllm_base):
     """Beam search, echo, prompt logprobs and tools (without a tool parser: vLLM's own 400) reach
     vLLM's serving layer: the same status and body as `vllm serve`'s, less ids and times."""
+
     def strip(answer: dict) -> dict:
         # ec_transfer_params: the peer runs Iris's EC connector and names the image's items by its hash.
-        return {k: v for k, v in answer.items()
-                if k not in ("id", "created", "system_fingerprint", "ec_transfer_params")}
+        return {
+            k: v for k, v in answer.items() if k not in ("id", "created", "system_fingerprint", "ec_transfer_params")
+        }
 
-    for field, value in (("use_beam_search", True), ("echo", True), ("prompt_logprobs", 1),
-                         ("tools", [{"type": "function", "function": {"name": "f"}}])):
+    for field, value in (
+        ("use_beam_search", True),
+        ("echo", True),
+        ("prompt_logprobs", 1),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ):
         body = chat(images=(IMG,), **GREEDY, **{field: value})
         iris = httpx.post(f"{iris_base}/v1/chat/completions", json=body, timeout=120)
         peer = httpx.post(f"{vllm_base}/v1/chat/completions", json=body, timeout=120)
@@ -344,6 +380,7 @@ def test_models_lists_vllm_fields(iris_base, vllm_base):
 def test_responses_have_vllm_serve_fields(iris_base, vllm_base):
     """Iris answers with vLLM's response models: the same fields as `vllm serve`, whole
     answers and stream chunks, chat and completions."""
+
     def fields(base, path, body):
         whole = httpx.post(f"{base}{path}", json=body, timeout=300).json()
         chunks = sse_chunks(httpx.post(f"{base}{path}", json={**body, "stream": True}, timeout=300).text)
@@ -352,12 +389,22 @@ def test_responses_have_vllm_serve_fields(iris_base, vllm_base):
         # (Iris does when the reader falls behind), so the first chunk can be the last.
         shapes = {}
         for c in chunks:
-            kind = ("usage" if not c["choices"] else
-                    "finish" if any(ch.get("finish_reason") for ch in c["choices"]) else
-                    "role" if any("role" in (ch.get("delta") or {}) for ch in c["choices"]) else "delta")
+            kind = (
+                "usage"
+                if not c["choices"]
+                else "finish"
+                if any(ch.get("finish_reason") for ch in c["choices"])
+                else "role"
+                if any("role" in (ch.get("delta") or {}) for ch in c["choices"])
+                else "delta"
+            )
             shapes[kind] = (sorted(c), [sorted(ch) for ch in c["choices"]])
-        return ({k: sorted(v) if isinstance(v, dict) else None for k, v in whole.items()},
-                sorted(choice), sorted(choice.get("message") or {}), shapes)
+        return (
+            {k: sorted(v) if isinstance(v, dict) else None for k, v in whole.items()},
+            sorted(choice),
+            sorted(choice.get("message") or {}),
+            shapes,
+        )
 
     chat_body = {"model": NAME, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
     text_body = {"model": NAME, "prompt": "Say hi", "max_tokens": 4, "temperature": 0}
@@ -375,8 +422,10 @@ def ask_text(base: str, body: dict) -> tuple[int, dict]:
     if status != 200:
         return status, {"error": answer}
     if not body.get("stream"):
-        return 200, {"choices": {c["index"]: (c["text"], c["finish_reason"], c["logprobs"]) for c in answer["choices"]},
-                     "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
+        return 200, {
+            "choices": {c["index"]: (c["text"], c["finish_reason"], c["logprobs"]) for c in answer["choices"]},
+            "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")},
+        }
     choices, usage = {}, None
     for j in answer:
         usage = j.get("usage") or usage
@@ -385,8 +434,7 @@ def ask_text(base: str, body: dict) -> tuple[int, dict]:
             if c["logprobs"] is not None:  # deltas' lists, joined
                 logprobs = {k: (logprobs or {}).get(k, []) + v for k, v in c["logprobs"].items()}
             choices[c["index"]] = (text + c["text"], c["finish_reason"] or finish, logprobs)
-    return 200, {"choices": choices,
-                 "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
+    return 200, {"choices": choices, "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}}
 
 
 def text_differences(iris: dict, vllm: dict) -> list[str]:
@@ -420,13 +468,25 @@ def test_completions_parity(iris_base, vllm_base):
         {"prompt": prompt, "max_tokens": 10, "temperature": 0},
         {"prompt": [prompt], "max_tokens": 10, "temperature": 0, "repetition_penalty": 1.5},
         {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 4, "n": 2},
-        {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+        {
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
         {"prompt": prompt, "max_tokens": 8, "top_p": 7},
         {"max_tokens": 8},
         # logprobs: completions' own shape (tokens, token_logprobs, top_logprobs, text_offset)
         {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2},
-        {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2, "stream": True,
-         "stream_options": {"include_usage": True}},
+        {
+            "prompt": prompt,
+            "max_tokens": 10,
+            "temperature": 0,
+            "logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
         {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0},
         {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2, "logprobs": 1, "stream": True},
         {"prompt": prompt, "max_tokens": 6, "logprobs": 50},  # above the engine's max_logprobs (20)
@@ -437,8 +497,16 @@ def test_completions_parity(iris_base, vllm_base):
     # never completes, and its last character, which ends the answer.
     greedy = ask_text(vllm_base, {"model": NAME, **cases[0]})[1]["choices"][0][0]
     assert len(greedy) >= 2 and "\ufffd" not in greedy[0] + greedy[-1], greedy
-    cases.append({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 1, "stream": True,
-                  "stop": [greedy[0] + "\u2603", greedy[-1]]})
+    cases.append(
+        {
+            "prompt": prompt,
+            "max_tokens": 10,
+            "temperature": 0,
+            "logprobs": 1,
+            "stream": True,
+            "stop": [greedy[0] + "\u2603", greedy[-1]],
+        }
+    )
     failures = []
     for body in cases:
         body = {"model": NAME, **body}
@@ -450,19 +518,28 @@ def test_completions_parity(iris_base, vllm_base):
     print(f"completions parity: {len(cases) - len(failures)}/{len(cases)} agree")
     assert not failures, "\n".join(failures)
     # What Iris once refused, answered by vLLM's serving layer: echo, prompt logprobs, token ids, batches.
-    for extra in ({"prompt": prompt, "echo": True, "logprobs": 1}, {"prompt": prompt, "prompt_logprobs": 2},
-                  {"prompt": [64, 65, 66]}, {"prompt": [prompt, "Hello"]}, {"prompt": [[1, 2], [3, 4, 5]]}):
+    for extra in (
+        {"prompt": prompt, "echo": True, "logprobs": 1},
+        {"prompt": prompt, "prompt_logprobs": 2},
+        {"prompt": [64, 65, 66]},
+        {"prompt": [prompt, "Hello"]},
+        {"prompt": [[1, 2], [3, 4, 5]]},
+    ):
         body = {"model": NAME, "max_tokens": 4, "temperature": 0, **extra}
         iris, peer = (httpx.post(f"{base}/v1/completions", json=body, timeout=120) for base in (iris_base, vllm_base))
         assert iris.status_code == peer.status_code == 200, (extra, iris.text, peer.text)
         strip = ("id", "created", "system_fingerprint")
-        assert ({k: v for k, v in iris.json().items() if k not in strip}
-                == {k: v for k, v in peer.json().items() if k not in strip}), extra
+        assert {k: v for k, v in iris.json().items() if k not in strip} == {
+            k: v for k, v in peer.json().items() if k not in strip
+        }, extra
 
 
 def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
-    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-             {"role": "assistant", "content": "Hello"}]
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello"},
+    ]
     tokenize = [
         {"prompt": "The quick brown fox"},
         {"prompt": "The quick brown fox", "add_special_tokens": False, "return_token_strs": True},
@@ -494,17 +571,23 @@ def test_tokenize_detokenize_parity(iris_base, vllm_base, tokenizer):
             rv = httpx.post(f"{vllm_base}/{path}", json=body, timeout=60)
             statuses.append(rv.status_code)
             if ri.status_code != rv.status_code or (rv.status_code == 200 and ri.json() != rv.json()):
-                failures.append(f"/{path} {body}\niris ({ri.status_code}): {ri.text[:800]}\n"
-                                f"vllm ({rv.status_code}): {rv.text[:800]}")
+                failures.append(
+                    f"/{path} {body}\niris ({ri.status_code}): {ri.text[:800]}\n"
+                    f"vllm ({rv.status_code}): {rv.text[:800]}"
+                )
             elif rv.status_code >= 400 and "error" not in ri.json():
                 failures.append(f"/{path} {body}: not OpenAI's error shape: {ri.text[:400]}")
-    print(f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree, vLLM's statuses {statuses}")
+    print(
+        f"tokenize parity: {len(tokenize) + len(detokenize) - len(failures)}/{len(tokenize) + len(detokenize)} agree, "
+        f"vLLM's statuses {statuses}"
+    )
     assert not failures, "\n".join(failures)
     # The count is the prompt a chat completion of the same messages is charged for.
     messages = [{"role": "user", "content": "Count me"}]
     count = httpx.post(f"{iris_base}/tokenize", json={"messages": messages}).json()["count"]
-    usage = httpx.post(f"{iris_base}/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
-                       timeout=120).json()["usage"]
+    usage = httpx.post(
+        f"{iris_base}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=120
+    ).json()["usage"]
     assert count == usage["prompt_tokens"], (count, usage)
 
 

@@ -78,15 +78,18 @@ def test_every_stored_digest_is_compared(tmp_path, monkeypatch):
         assert len(calls) == len(ring.entries) == 3
 
 
-@pytest.mark.parametrize("mapping, problem", [
-    ({"acme": ["sk-acme-one-3f9a"], "globex": ["sk-acme-one-3f9a"]}, "listed twice (tenants 'acme' and 'globex')"),
-    ({"sk-acme-one-3f9a!": "acme"}, "tenant name number 1 must match"),  # written the wrong way round
-    ({"key-acme": ["sk-acme-one-3f9a"]}, "not start with `key-`"),
-    ({"acme": []}, "non-empty list of keys"),
-    ({"acme": [" sk-acme-one-3f9a"]}, "blanks at its ends"),
-    ({}, "none was found"),
-    (["sk-acme-one-3f9a"], "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "mapping, problem",
+    [
+        ({"acme": ["sk-acme-one-3f9a"], "globex": ["sk-acme-one-3f9a"]}, "listed twice (tenants 'acme' and 'globex')"),
+        ({"sk-acme-one-3f9a!": "acme"}, "tenant name number 1 must match"),  # written the wrong way round
+        ({"key-acme": ["sk-acme-one-3f9a"]}, "not start with `key-`"),
+        ({"acme": []}, "non-empty list of keys"),
+        ({"acme": [" sk-acme-one-3f9a"]}, "blanks at its ends"),
+        ({}, "none was found"),
+        (["sk-acme-one-3f9a"], "must be a JSON object"),
+    ],
+)
 def test_bad_mappings_are_refused_without_showing_a_key(tmp_path, mapping, problem):
     with pytest.raises(ValueError) as err:
         keyring(tmp_path, mapping)

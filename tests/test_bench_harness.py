@@ -33,8 +33,13 @@ WORKLOADS = ["unique", "repeat", "zipf", "multiturn", "upload_free", "text"]
 
 
 def _fingerprint(workload) -> list:
-    return [(c.upload_free, [(t.text, t.image.data_url if t.image else None, t.image.uuid if t.image else None)
-                             for t in c.turns]) for c in workload.conversations]
+    return [
+        (
+            c.upload_free,
+            [(t.text, t.image.data_url if t.image else None, t.image.uuid if t.image else None) for t in c.turns],
+        )
+        for c in workload.conversations
+    ]
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -53,8 +58,9 @@ def test_workload_shapes():
     assert f.repeat(10).distinct_images == 1
     assert f.text(5).distinct_images == 0
     zipf = f.zipf(400, repeat_share=0.8, pool=8)
-    new = 400 - sum(1 for c in zipf.conversations if c.turns[0].image.seed in
-                    {f._image_seed("zipf-pool", i) for i in range(8)})
+    new = 400 - sum(
+        1 for c in zipf.conversations if c.turns[0].image.seed in {f._image_seed("zipf-pool", i) for i in range(8)}
+    )
     assert 50 < new < 110  # about 20% new images
     assert zipf.distinct_images <= 8 + new
     multi = f.multiturn(9, turns=3)
@@ -64,8 +70,10 @@ def test_workload_shapes():
     assert all(c.upload_free and c.turns[0].image.uuid for c in uf.conversations)
     assert len({c.turns[0].image.uuid for c in uf.conversations}) <= 4
     longer = f.text_as_image(3, image_chars=200)
-    assert min(len(c.turns[0].text) for c in longer.conversations) > 200 + max(
-        len(c.turns[0].text) for c in f.text(3).conversations) - 60
+    assert (
+        min(len(c.turns[0].text) for c in longer.conversations)
+        > 200 + max(len(c.turns[0].text) for c in f.text(3).conversations) - 60
+    )
 
 
 def test_upload_free_messages_carry_uuid_without_bytes():
@@ -84,8 +92,11 @@ ray_iris_feature_cache_events_total{deployment="LLMDecode",event="computations",
 vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 128.0
 """
     samples = parse(text)
-    assert samples[0] == ("ray_iris_feature_cache_events_total",
-                          {"deployment": "VisionEncoder", "event": "computations", "replica": "a"}, 5.0)
+    assert samples[0] == (
+        "ray_iris_feature_cache_events_total",
+        {"deployment": "VisionEncoder", "event": "computations", "replica": "a"},
+        5.0,
+    )
     assert samples[2][0] == "vllm:prefix_cache_hits_total"
     after = Counters(10, 4, {"r1": [300, 1000]})
     before = Counters(4, 1, {"r1": [100, 500]})
@@ -108,8 +119,24 @@ def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
     from bench.__main__ import main
 
     out = tmp_path / "gpu_run.json"
-    argv = ["--size", "tiny", "--models", "llava", "--systems", "iris-haproxy,vllm", "--clients", "1,2",
-            "--requests", "4", "--max-tokens", "12", "--workloads", "unique,repeat,text,upload_free", "--out", str(out)]
+    argv = [
+        "--size",
+        "tiny",
+        "--models",
+        "llava",
+        "--systems",
+        "iris-haproxy,vllm",
+        "--clients",
+        "1,2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "12",
+        "--workloads",
+        "unique,repeat,text,upload_free",
+        "--out",
+        str(out),
+    ]
     main(["gpu", *argv])
     saved = json.loads(out.read_text())
     assert saved["commit"] and saved["command"] == "python -m bench gpu " + " ".join(argv)
@@ -153,6 +180,7 @@ def test_gpu_run_entry_point_at_tiny_size_against_iris_and_vllm(tmp_path):
 
 # ---- scale-out: autoscale timeline analysis, router variant, vLLM core binding (no cluster needed)
 
+
 def _status(t, **replicas):
     return {"t": t, "replicas": {d: ({"RUNNING": r} if isinstance(r, int) else r) for d, r in replicas.items()}}
 
@@ -161,9 +189,14 @@ def test_autoscale_summary_sees_preprocess_alone_move_out_and_back():
     from bench.autoscale import replica_series, scaling_summary, ttft_by_replicas
 
     steady = {"VisionEncoder": 1, "LLMDecode": 1}
-    lines = [_status(100, Preprocess=1, **steady), _status(110, Preprocess={"RUNNING": 1, "STARTING": 1}, **steady),
-             _status(112, Preprocess=2, **steady), _status(115, Preprocess=4, **steady),
-             _status(130, Preprocess={"RUNNING": 1, "STOPPING": 3}, **steady), _status(132, Preprocess=1, **steady)]
+    lines = [
+        _status(100, Preprocess=1, **steady),
+        _status(110, Preprocess={"RUNNING": 1, "STARTING": 1}, **steady),
+        _status(112, Preprocess=2, **steady),
+        _status(115, Preprocess=4, **steady),
+        _status(130, Preprocess={"RUNNING": 1, "STOPPING": 3}, **steady),
+        _status(132, Preprocess=1, **steady),
+    ]
     series = replica_series(lines, t0=100)
     assert series["Preprocess"][1] == (10, 1, 2)  # (seconds since t0, RUNNING, all states)
     summary = scaling_summary(series, "Preprocess", load_end_s=25)
@@ -175,20 +208,33 @@ def test_autoscale_summary_sees_preprocess_alone_move_out_and_back():
     assert pre["running_at_load_end"] == 4
     # Settling lower under load is fine; being back at 1 before the load ended is not "back in after it".
     assert not scaling_summary(series, "Preprocess", load_end_s=33)["scaled_back_in"]
-    by_replicas = ttft_by_replicas([{"ok": True, "start_s": 5, "ttft_ms": 100.0},
-                                    {"ok": True, "start_s": 16, "ttft_ms": 300.0},
-                                    {"ok": False, "start_s": 16, "ttft_ms": None}], series["Preprocess"])
-    assert by_replicas == {"1": {"requests": 1, "ttft_p50_ms": 100.0, "ttft_mean_ms": 100.0},
-                           "4": {"requests": 1, "ttft_p50_ms": 300.0, "ttft_mean_ms": 300.0}}
+    by_replicas = ttft_by_replicas(
+        [
+            {"ok": True, "start_s": 5, "ttft_ms": 100.0},
+            {"ok": True, "start_s": 16, "ttft_ms": 300.0},
+            {"ok": False, "start_s": 16, "ttft_ms": None},
+        ],
+        series["Preprocess"],
+    )
+    assert by_replicas == {
+        "1": {"requests": 1, "ttft_p50_ms": 100.0, "ttft_mean_ms": 100.0},
+        "4": {"requests": 1, "ttft_p50_ms": 300.0, "ttft_mean_ms": 300.0},
+    }
 
     # Another deployment moving, Preprocess never scaling, or never coming back all fail the verdict.
-    moved = [_status(100, Preprocess=1, VisionEncoder=1), _status(110, Preprocess=3, VisionEncoder=2),
-             _status(130, Preprocess=1, VisionEncoder=1)]
+    moved = [
+        _status(100, Preprocess=1, VisionEncoder=1),
+        _status(110, Preprocess=3, VisionEncoder=2),
+        _status(130, Preprocess=1, VisionEncoder=1),
+    ]
     assert not scaling_summary(replica_series(moved, 100), "Preprocess", 20)["moved_out_and_back_alone"]
     flat = [_status(100, Preprocess=1, VisionEncoder=1), _status(130, Preprocess=1, VisionEncoder=1)]
     assert not scaling_summary(replica_series(flat, 100), "Preprocess", 20)["scaled_out"]
-    stuck = [_status(100, Preprocess=1, VisionEncoder=1), _status(110, Preprocess=3, VisionEncoder=1),
-             _status(130, Preprocess=3, VisionEncoder=1)]
+    stuck = [
+        _status(100, Preprocess=1, VisionEncoder=1),
+        _status(110, Preprocess=3, VisionEncoder=1),
+        _status(130, Preprocess=3, VisionEncoder=1),
+    ]
     assert not scaling_summary(replica_series(stuck, 100), "Preprocess", 20)["scaled_back_in"]
 
 
@@ -202,8 +248,10 @@ def test_relabelled_jpeg_is_new_bytes_with_the_same_pixels():
     from bench.harness.workloads import ImageSpec, RelabelledJpeg
 
     base = ImageSpec(5, 64, 48)
-    decoded = [base64.b64decode(u.split(",", 1)[1]) for u in
-               (base.data_url, RelabelledJpeg(base, 1).data_url, RelabelledJpeg(base, 12345).data_url)]
+    decoded = [
+        base64.b64decode(u.split(",", 1)[1])
+        for u in (base.data_url, RelabelledJpeg(base, 1).data_url, RelabelledJpeg(base, 12345).data_url)
+    ]
     assert len(set(decoded)) == 3
     pixels = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in decoded]
     assert all(np.array_equal(pixels[0], p) for p in pixels[1:])
@@ -221,10 +269,17 @@ def test_defaultrouter_config_drops_only_the_router(tmp_path):
     assert "request_router_config" not in decode_default
     assert {**decode_default, "request_router_config": decode["request_router_config"]} == decode
     assert "iris-defaultrouter" in systems.ROUTER_VARIANTS  # compare.py runs it with 2+ replicas only
-    tuned = systems.iris_config(engine, 1, 8000, cache=True, namespace="x",
-                                deployments={"Preprocess": {"autoscaling_config": {"max_replicas": 4}}})
+    tuned = systems.iris_config(
+        engine,
+        1,
+        8000,
+        cache=True,
+        namespace="x",
+        deployments={"Preprocess": {"autoscaling_config": {"max_replicas": 4}}},
+    )
     assert {d["name"]: d for d in tuned["applications"][0]["deployments"]}["Preprocess"]["autoscaling_config"] == {
-        "max_replicas": 4}
+        "max_replicas": 4
+    }
     with pytest.raises(ValueError, match="Preproces"):
         systems.iris_config(engine, 1, 8000, cache=True, namespace="x", deployments={"Preproces": {}})
 
@@ -302,9 +357,13 @@ def test_vllm_replicas_get_cores_of_their_own():
 
     assert vllm_cpu_binding(0, 1, [0, 1]) == {}  # one engine: vLLM's default
     assert [vllm_cpu_binding(i, 2, [0, 1]) for i in range(2)] == [
-        {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    ]
     assert [vllm_cpu_binding(i, 2, [0, 1, 2, 3]) for i in range(2)] == [
-        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
+    ]
     assert vllm_cpu_binding(2, 3, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
@@ -331,6 +390,7 @@ def test_round_robin_proxy_alternates_backends_and_streams():
             for piece in (name, body["say"], "[DONE]"):
                 await response.write(f"data: {piece}\n\n".encode())
             return response
+
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
         runner = web.AppRunner(app)
@@ -342,8 +402,10 @@ def test_round_robin_proxy_alternates_backends_and_streams():
         asyncio.run_coroutine_threadsafe(serve(name, port), loop).result(10)
     try:
         with RoundRobinProxy([f"http://127.0.0.1:{p}" for p in ports]) as proxy:
-            texts = [httpx.post(f"{proxy.url}/v1/chat/completions", json={"say": f"hi{i}"}, timeout=10).text
-                     for i in range(4)]
+            texts = [
+                httpx.post(f"{proxy.url}/v1/chat/completions", json={"say": f"hi{i}"}, timeout=10).text
+                for i in range(4)
+            ]
             assert proxy.requests == 4
             missing = httpx.get(f"{proxy.url}/nope", timeout=10)
         assert [t.split("\n\n")[0] for t in texts] == ["data: a", "data: b", "data: a", "data: b"]
@@ -374,8 +436,13 @@ def test_whole_answer_points_ask_for_no_stream_and_count_the_whole_answer_as_ttf
         async def chat(request):
             bodies.append(await request.json())
             await asyncio.sleep(0.2)
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
-                                      "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+            return web.json_response(
+                {
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": 1},
+                }
+            )
+
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
         runner = web.AppRunner(app)
@@ -400,14 +467,24 @@ def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_
     def marks(*pairs):
         return [{"t": t, "stage": s} for s, t in pairs]
 
-    new = marks(("ingress.received", 10.001), ("ingress.parsed", 10.003), ("ingress.looked_up", 10.004),
-                ("preprocess.start", 10.007), ("preprocess.end", 10.010), ("encoder.start", 10.015),
-                ("encoder.forward_start", 10.016), ("encoder.forward_end", 10.216), ("encoder.end", 10.218),
-                ("decode.start", 10.005),  # LLMDecode was called while the image was encoded: off the path
-                ("decode.features_in", 10.224), ("decode.engine_call", 10.226),
-                ("decode.first_output", 10.246), ("ingress.first_token", 10.248),
-                ("decode.first_output", 10.300),  # a later request's mark, after this one's first token
-                ("ingress.received", 9.0))        # an earlier request's
+    new = marks(
+        ("ingress.received", 10.001),
+        ("ingress.parsed", 10.003),
+        ("ingress.looked_up", 10.004),
+        ("preprocess.start", 10.007),
+        ("preprocess.end", 10.010),
+        ("encoder.start", 10.015),
+        ("encoder.forward_start", 10.016),
+        ("encoder.forward_end", 10.216),
+        ("encoder.end", 10.218),
+        ("decode.start", 10.005),  # LLMDecode was called while the image was encoded: off the path
+        ("decode.features_in", 10.224),
+        ("decode.engine_call", 10.226),
+        ("decode.first_output", 10.246),
+        ("ingress.first_token", 10.248),
+        ("decode.first_output", 10.300),  # a later request's mark, after this one's first token
+        ("ingress.received", 9.0),
+    )  # an earlier request's
     segments = request_segments(new, 10.0, 10.250)
     assert [(a, b) for a, b, _ in segments][0] == ("client.sent", "ingress.received")
     assert [b for _, b, _ in segments][-1] == "client.first_token"
@@ -421,7 +498,7 @@ def test_stage_timeline_segments_follow_the_path_and_skip_stages_a_request_does_
     cached = marks(("ingress.received", 20.001), ("ingress.looked_up", 20.002), ("decode.start", 20.006))
     pairs = [(a, b) for a, b, _ in request_segments(cached, 20.0, 20.030)]
     assert ("ingress.looked_up", "decode.start") in pairs  # no Preprocess/VisionEncoder between
-    assert ("decode.start", "client.first_token") in pairs            # marks missing: one segment
+    assert ("decode.start", "client.first_token") in pairs  # marks missing: one segment
 
     summary = summarise([segments, request_segments(new, 10.0, 10.250)])
     assert summary["requests"] == 2 and summary["ttft_median_ms"] == 250.0
@@ -455,7 +532,6 @@ def test_cpu_meter_counts_a_process_tree_by_role():
         burner.kill()
 
 
-
 _DUMP = """[2026-12-04 03:02:37,294 I 11141 11171] core_worker.cc:591: Event stats:
 
 
@@ -483,7 +559,9 @@ def test_a_core_workers_last_complete_event_stats_dump_is_read():
 
     first = _DUMP.format(items=10, calls=4, dump="7.50")
     second = _DUMP.format(items=17, calls=6, dump="8.00").replace("03:02:37,294", "03:02:39,294")
-    when, counts, dump_ms = parse_event_stats("noise\n" + first + "[2026-12-04 03:02:38,000 I 1 1] x.cc:1: y\n" + second)
+    when, counts, dump_ms = parse_event_stats(
+        "noise\n" + first + "[2026-12-04 03:02:38,000 I 1 1] x.cc:1: y\n" + second
+    )
     assert counts[ITEMS_RECEIVED] == 17 and counts[SENT_CALLS] == 6 and counts[PINS] == 3 and dump_ms == 8.0
     assert when - parse_event_stats(first)[0] == pytest.approx(2.0)
     # A dump still being written (no "Other Stats:" yet) is skipped for the one before it.
@@ -494,17 +572,21 @@ def test_a_core_workers_last_complete_event_stats_dump_is_read():
 def test_ray_task_and_object_store_counters_are_read_from_prometheus_text():
     from bench.harness.host_work import ray_counts, short_method
 
-    text = "\n".join([
-        '# HELP ray_tasks Current number of tasks',
-        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FINISHED"} 5',
-        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FAILED"} 1',
-        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="RUNNING"} 2',
-        'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="executor",State="FINISHED"} 9',
-        'ray_object_store_dist_count{Source="CreatedByWorker"} 4',
-        'ray_object_store_dist_count{Source="RestoredFromSpill"} 2',
-    ])
-    assert ray_counts(text) == {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 6.0},
-                                "object_store_creates": 4.0}
+    text = "\n".join(
+        [
+            "# HELP ray_tasks Current number of tasks",
+            'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FINISHED"} 5',
+            'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="FAILED"} 1',
+            'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="owner",State="RUNNING"} 2',
+            'ray_tasks{Name="ServeReplica:iris:Ingress.handle_request_streaming",Source="executor",State="FINISHED"} 9',
+            'ray_object_store_dist_count{Source="CreatedByWorker"} 4',
+            'ray_object_store_dist_count{Source="RestoredFromSpill"} 2',
+        ]
+    )
+    assert ray_counts(text) == {
+        "tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 6.0},
+        "object_store_creates": 4.0,
+    }
     assert short_method("ServeReplica:iris:Ingress.handle_request_streaming") == "Ingress.handle_request_streaming"
     assert short_method("Outer.call") == "Outer.call"
     assert short_method("ServeReplica:rayllm:LLMServer:bench.handle_request") == "LLMServer:bench.handle_request"
@@ -514,28 +596,55 @@ def test_host_work_is_the_difference_per_request_by_method_and_role():
     from bench.harness import host_work as hw
 
     def worker(role, sent=0, items=0, pins=0, dump=0.0, **extra):
-        return {"role": role, "t": 0.0, "dump_ms": dump, **extra,
-                "counts": {hw.SENT_CALLS: sent, hw.ITEMS_RECEIVED: items, hw.PINS: pins}}
+        return {
+            "role": role,
+            "t": 0.0,
+            "dump_ms": dump,
+            **extra,
+            "counts": {hw.SENT_CALLS: sent, hw.ITEMS_RECEIVED: items, hw.PINS: pins},
+        }
 
-    before = {"metrics": {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 2.0,
-                                    "ServeController.listen_for_change": 10.0}, "object_store_creates": 1.0},
-              "workers": {1: worker("ProxyActor", sent=2, items=20, dump=5.0), 2: worker("Ingress", sent=4)}}
-    after = {"metrics": {"tasks": {"ServeReplica:iris:Ingress.handle_request_streaming": 6.0,
-                                   "ServeReplica:iris:LLMDecode.handle_request_streaming": 4.0,
-                                   "ProxyActor.receive_asgi_messages": 8.0,
-                                   "ServeController.listen_for_change": 12.0}, "object_store_creates": 3.0},
-             "workers": {1: worker("ProxyActor", sent=6, items=60, dump=9.0),
-                         2: worker("Ingress", sent=12, items=36, pins=2, stale=True),
-                         3: worker("Ingress", sent=1)}}  # started in between: counts from zero
+    before = {
+        "metrics": {
+            "tasks": {
+                "ServeReplica:iris:Ingress.handle_request_streaming": 2.0,
+                "ServeController.listen_for_change": 10.0,
+            },
+            "object_store_creates": 1.0,
+        },
+        "workers": {1: worker("ProxyActor", sent=2, items=20, dump=5.0), 2: worker("Ingress", sent=4)},
+    }
+    after = {
+        "metrics": {
+            "tasks": {
+                "ServeReplica:iris:Ingress.handle_request_streaming": 6.0,
+                "ServeReplica:iris:LLMDecode.handle_request_streaming": 4.0,
+                "ProxyActor.receive_asgi_messages": 8.0,
+                "ServeController.listen_for_change": 12.0,
+            },
+            "object_store_creates": 3.0,
+        },
+        "workers": {
+            1: worker("ProxyActor", sent=6, items=60, dump=9.0),
+            2: worker("Ingress", sent=12, items=36, pins=2, stale=True),
+            3: worker("Ingress", sent=1),
+        },
+    }  # started in between: counts from zero
     work = hw.diff(before, after, 4)
-    assert work["ray_calls_per_request"] == {"total": 4.0, "ProxyActor.receive_asgi_messages": 2.0,
-                                             "Ingress.handle_request_streaming": 1.0,
-                                             "LLMDecode.handle_request_streaming": 1.0}
+    assert work["ray_calls_per_request"] == {
+        "total": 4.0,
+        "ProxyActor.receive_asgi_messages": 2.0,
+        "Ingress.handle_request_streaming": 1.0,
+        "LLMDecode.handle_request_streaming": 1.0,
+    }
     assert work["other_ray_calls_per_request"] == 0.5
     assert work["other_ray_calls_by_method"] == {"total": 0.5, "ServeController.listen_for_change": 0.5}
     assert work["calls_sent_by_role"] == {"total": 3.25, "Ingress": 2.25, "ProxyActor": 1.0}
     assert work["streamed_items_received_by_role"] == {"total": 19.0, "ProxyActor": 10.0, "Ingress": 9.0}
-    assert work["object_store_puts_per_request"] == 0.5 and work["object_pins_by_role"] == {"total": 0.5, "Ingress": 0.5}
+    assert work["object_store_puts_per_request"] == 0.5 and work["object_pins_by_role"] == {
+        "total": 0.5,
+        "Ingress": 0.5,
+    }
     assert work["event_stats_dump_ms_per_request"] == 1.0 and work["stale_roles"] == ["Ingress"]
     assert hw.diff(before, after, 0) == {}
     # Without event stats (--ray-event-stats-s 0) only the metrics' counts remain.
@@ -547,33 +656,68 @@ def test_cpu_per_output_token_and_the_host_work_table():
     from bench.harness import cpu_usage, host_work, report
 
     per_request = {"total": 100.0, "VLLM::Worker": 60.0, "Ingress": 30.0, "VisionEncoder": 10.0}
-    assert cpu_usage.per_output_token(per_request, 4, 64) == {"total": 6.25, "VLLM::Worker": 3.75,
-                                                             "Ingress": 1.88, "VisionEncoder": 0.62}
+    assert cpu_usage.per_output_token(per_request, 4, 64) == {
+        "total": 6.25,
+        "VLLM::Worker": 3.75,
+        "Ingress": 1.88,
+        "VisionEncoder": 0.62,
+    }
     assert cpu_usage.per_output_token(per_request, 4, None) == {} == cpu_usage.per_output_token(per_request, 0, 5)
     assert report.host_cpu(per_request) == 30.0
 
     def result(system, work):
-        return {"system": system, "replicas": 1, "point": "text-c1", "summary": {
-            "requests": 4, "ok": 4, "failed": 0, "req_per_s": 1.0, "output_tokens": 64,
-            "ttft_ms": {"p50": 10, "p90": 20}, "latency_ms": {"p50": 30, "p90": 40}, "tpot_ms": {"p50": 1},
-            "cpu_ms_per_request": per_request, "cpu_ms_per_output_token": {"total": 6.25}, "host_work": work}}
+        return {
+            "system": system,
+            "replicas": 1,
+            "point": "text-c1",
+            "summary": {
+                "requests": 4,
+                "ok": 4,
+                "failed": 0,
+                "req_per_s": 1.0,
+                "output_tokens": 64,
+                "ttft_ms": {"p50": 10, "p90": 20},
+                "latency_ms": {"p50": 30, "p90": 40},
+                "tpot_ms": {"p50": 1},
+                "cpu_ms_per_request": per_request,
+                "cpu_ms_per_output_token": {"total": 6.25},
+                "host_work": work,
+            },
+        }
 
-    iris = {"ray_calls_per_request": {"total": 2.0, "Ingress.handle_request_streaming": 1.0,
-                                      "LLMDecode.handle_request_streaming": 1.0},
-            "other_ray_calls_per_request": 0.5, "calls_sent_by_role": {"total": 2.0, "ProxyActor": 1.0, "Ingress": 1.0},
-            "streamed_items_received_by_role": {"total": 34.0, "ProxyActor": 17.0, "Ingress": 17.0},
-            "object_store_puts_per_request": 0.0, "object_pins_by_role": {"total": 0.0},
-            "event_stats_dump_ms_per_request": 0.4}
-    run = {"model": "m", "machine": {"description": "test box", "cpus": 2}, "commit": "abc", "started": "now",
-           "duration_s": 60, "command": "python -m bench compare", "systems": ["iris", "vllm"], "ratios": [],
-           "gpu_node_mode": {"model_cores": [0], "host_cores": [1], "omp_threads_bind": "0"},
-           "results": [result("iris", iris), result("vllm", dict(host_work.NO_RAY))]}
+    iris = {
+        "ray_calls_per_request": {
+            "total": 2.0,
+            "Ingress.handle_request_streaming": 1.0,
+            "LLMDecode.handle_request_streaming": 1.0,
+        },
+        "other_ray_calls_per_request": 0.5,
+        "calls_sent_by_role": {"total": 2.0, "ProxyActor": 1.0, "Ingress": 1.0},
+        "streamed_items_received_by_role": {"total": 34.0, "ProxyActor": 17.0, "Ingress": 17.0},
+        "object_store_puts_per_request": 0.0,
+        "object_pins_by_role": {"total": 0.0},
+        "event_stats_dump_ms_per_request": 0.4,
+    }
+    run = {
+        "model": "m",
+        "machine": {"description": "test box", "cpus": 2},
+        "commit": "abc",
+        "started": "now",
+        "duration_s": 60,
+        "command": "python -m bench compare",
+        "systems": ["iris", "vllm"],
+        "ratios": [],
+        "gpu_node_mode": {"model_cores": [0], "host_cores": [1], "omp_threads_bind": "0"},
+        "results": [result("iris", iris), result("vllm", dict(host_work.NO_RAY))],
+    }
     text = report.markdown(run)
     assert "GPU-node mode: cores [0] play the GPU" in text and "VLLM_CPU_OMP_THREADS_BIND=0" in text
     assert "| iris | 1 | text-c1 | 100 | 6.25 | 30 | 1.88 |" in text
-    assert ("| iris | 1 | text-c1 | 2.00: Ingress.handle_request_streaming 1.00, LLMDecode.handle_request_streaming "
-            "1.00 | 2.00: ProxyActor 1.00, Ingress 1.00 | 34.00: ProxyActor 17.00, Ingress 17.00 | 0.00 (0.00) | "
-            "0.50 | 0.40 |") in text
+    assert (
+        "| iris | 1 | text-c1 | 2.00: Ingress.handle_request_streaming 1.00, LLMDecode.handle_request_streaming "
+        "1.00 | 2.00: ProxyActor 1.00, Ingress 1.00 | 34.00: ProxyActor 17.00, Ingress 17.00 | 0.00 (0.00) | "
+        "0.50 | 0.40 |"
+    ) in text
     assert "| vllm | 1 | text-c1 | 0 (n/a: no Ray) |" in text
     assert "GPU-node mode: off" in report.markdown({**run, "gpu_node_mode": None})
 
@@ -607,8 +751,13 @@ def test_gpu_node_mode_moves_a_real_process_threads_to_the_host_cores():
     from bench.harness import affinity
 
     model, host = affinity.split_cores(1, sorted(os.sched_getaffinity(0)))
-    child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
-                              "threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)",
+        ]
+    )
     try:
         deadline = time.monotonic() + 10
         while len(affinity.threads(child.pid)) < 2 and time.monotonic() < deadline:
@@ -631,19 +780,35 @@ def test_gpu_node_mode_binds_every_systems_engine_to_the_model_cores(tmp_path):
     for config in (iris, rayllm):
         assert config["applications"][0]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     plain = systems.EngineSettings("ckpt", "float32")
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in systems.rayllm_config(plain, 1, 8000, False)[
-        "applications"][0]["runtime_env"]["env_vars"]
+    assert (
+        "VLLM_CPU_OMP_THREADS_BIND"
+        not in systems.rayllm_config(plain, 1, 8000, False)["applications"][0]["runtime_env"]["env_vars"]
+    )
 
 
 # ---- one entry point, one provenance record, one percentile, one list of results
+
 
 def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
     import importlib
 
     from bench.__main__ import EXPERIMENTS, main
 
-    assert set(EXPERIMENTS) == {"compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                "tenants", "vision-vs-prefill", "vllm", "json-body", "ec-connector", "upload_free"}
+    assert set(EXPERIMENTS) == {
+        "compare",
+        "gpu",
+        "autoscale",
+        "cache",
+        "feature-plane",
+        "soak",
+        "stage-timeline",
+        "tenants",
+        "vision-vs-prefill",
+        "vllm",
+        "json-body",
+        "ec-connector",
+        "upload_free",
+    }
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
         calls = []
@@ -662,8 +827,23 @@ def test_entry_point_names_the_experiments_and_refuses_others(capsys):
     assert main(["compare.py"]) == 2 and "no experiment 'compare.py'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["compare", "gpu", "autoscale", "cache", "feature-plane", "soak", "stage-timeline",
-                                  "tenants", "vision-vs-prefill", "json-body", "ec-connector", "upload_free"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "compare",
+        "gpu",
+        "autoscale",
+        "cache",
+        "feature-plane",
+        "soak",
+        "stage-timeline",
+        "tenants",
+        "vision-vs-prefill",
+        "json-body",
+        "ec-connector",
+        "upload_free",
+    ],
+)
 def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     from bench.__main__ import main
 
@@ -672,33 +852,89 @@ def test_each_experiment_keeps_its_options_under_its_own_name(name, capsys):
     assert exit_.value.code == 0
     usage = capsys.readouterr().out
     assert usage.startswith(f"usage: python -m bench {name} ")
-    options = {"compare": ["--quick", "--video", "--model", "--systems", "--replicas", "--points", "--scale", "--seed",
-                           "--small-px", "--max-tokens", "--name", "--out-dir", "--no-plots", "--profile"],
-               "gpu": ["--models", "--size", "--systems", "--clients", "--requests", "--workloads", "--budget-s",
-                       "--max-tokens", "--image-px", "--max-model-len", "--gpu-memory-utilization", "--eager",
-                       "--timeout", "--seed", "--out"],
-               "autoscale": ["--model", "--before-s", "--load-s", "--load-clients", "--after-s", "--idle-max-s",
-                             "--seed", "--num-cpus", "--name", "--out-dir", "--reanalyse"],
-               "cache": ["--iters", "--redis-url", "--out"],
-               "feature-plane": ["--rounds", "--seconds", "--clients", "--out"],
-               "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
-               "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
-               "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
-               "vision-vs-prefill": ["--repeats", "--families", "--out"],
-               "json-body": ["--rounds", "--iters", "--out-dir"],
-               "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"],
-               "upload_free": ["--model", "--requests", "--rounds", "--iris", "--peers", "--no-pause-idle", "--seed",
-                               "--name", "--out-dir"]}[name]
+    options = {
+        "compare": [
+            "--quick",
+            "--video",
+            "--model",
+            "--systems",
+            "--replicas",
+            "--points",
+            "--scale",
+            "--seed",
+            "--small-px",
+            "--max-tokens",
+            "--name",
+            "--out-dir",
+            "--no-plots",
+            "--profile",
+        ],
+        "gpu": [
+            "--models",
+            "--size",
+            "--systems",
+            "--clients",
+            "--requests",
+            "--workloads",
+            "--budget-s",
+            "--max-tokens",
+            "--image-px",
+            "--max-model-len",
+            "--gpu-memory-utilization",
+            "--eager",
+            "--timeout",
+            "--seed",
+            "--out",
+        ],
+        "autoscale": [
+            "--model",
+            "--before-s",
+            "--load-s",
+            "--load-clients",
+            "--after-s",
+            "--idle-max-s",
+            "--seed",
+            "--num-cpus",
+            "--name",
+            "--out-dir",
+            "--reanalyse",
+        ],
+        "cache": ["--iters", "--redis-url", "--out"],
+        "feature-plane": ["--rounds", "--seconds", "--clients", "--out"],
+        "soak": ["--minutes", "--warmup-s", "--concurrency", "--sample-s", "--model", "--seed", "--out"],
+        "stage-timeline": ["--model", "--requests", "--video", "--seed", "--name", "--out-dir"],
+        "tenants": ["--model", "--rounds", "--flood-clients", "--b-requests", "--settle-s", "--out"],
+        "vision-vs-prefill": ["--repeats", "--families", "--out"],
+        "json-body": ["--rounds", "--iters", "--out-dir"],
+        "ec-connector": ["--models", "--rounds", "--iters", "--out-dir"],
+        "upload_free": [
+            "--model",
+            "--requests",
+            "--rounds",
+            "--iris",
+            "--peers",
+            "--no-pause-idle",
+            "--seed",
+            "--name",
+            "--out-dir",
+        ],
+    }[name]
     assert all(option in usage for option in options), [o for o in options if o not in usage]
 
 
 def test_python_dash_m_bench_runs_and_the_old_script_paths_say_where_to_go():
     root = BENCH.parent
-    listing = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd="/", capture_output=True, text=True,
-                             timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd="/", capture_output=True, text=True, timeout=120
+    )
     assert listing.returncode == 0 and "stage-timeline" in listing.stdout, listing.stderr
-    old = subprocess.run([sys.executable, "bench/stage_timeline.py", "--requests", "2"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    old = subprocess.run(
+        [sys.executable, "bench/stage_timeline.py", "--requests", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert old.returncode == 1 and "python -m bench stage-timeline" in old.stderr, old.stderr
 
 
@@ -722,7 +958,7 @@ def test_provenance_records_the_machine_as_detected(tmp_path, monkeypatch):
     machine = record["machine"]
     assert machine["cpus"] == os.cpu_count() and machine["cpus_usable"] == len(os.sched_getaffinity(0))
     mem_kib = int(re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1))
-    assert abs(machine["memory_gib"] - mem_kib / 2 ** 20) < 0.1
+    assert abs(machine["memory_gib"] - mem_kib / 2**20) < 0.1
     assert machine["platform"] == platform.platform() and machine["arch"] == platform.machine()
     assert machine["description"].startswith(f"{os.cpu_count()}-CPU {platform.machine()} machine with ")
     # GPUs as this machine has them: named where there are any, "no GPU" only where there are none.
@@ -737,8 +973,10 @@ def test_provenance_records_the_machine_as_detected(tmp_path, monkeypatch):
     assert two["description"].endswith("GiB, 2× NVIDIA H200") and "no GPU" not in two["description"]
     assert results.label(two) == f"{os.cpu_count()} CPUs, NVIDIA H200"
     assert results.label({**two, "gpus": []}) == f"{os.cpu_count()} CPUs, no GPU"
-    assert results.command_line("compare", ["--points", "unique-c1", "a b"]) == \
-        "python -m bench compare --points unique-c1 'a b'"
+    assert (
+        results.command_line("compare", ["--points", "unique-c1", "a b"])
+        == "python -m bench compare --points unique-c1 'a b'"
+    )
 
 
 def test_results_are_saved_only_with_provenance_and_reports_say_the_machine(tmp_path):
@@ -747,14 +985,36 @@ def test_results_are_saved_only_with_provenance_and_reports_say_the_machine(tmp_
 
     with pytest.raises(ValueError, match="provenance"):
         results.save({"command": "x"}, tmp_path / "x.json")
-    gpu_box = {"cpus": 16, "cpus_usable": 16, "memory_gib": 128.0, "gpus": ["NVIDIA H200"], "platform": "Linux",
-               "arch": "x86_64", "python": "3.11"}
+    gpu_box = {
+        "cpus": 16,
+        "cpus_usable": 16,
+        "memory_gib": 128.0,
+        "gpus": ["NVIDIA H200"],
+        "platform": "Linux",
+        "arch": "x86_64",
+        "python": "3.11",
+    }
     gpu_box["description"] = results.describe(gpu_box)
-    summary = {"requests": 2, "ok": 2, "failed": 0, "req_per_s": 1.0, "ttft_ms": {"p50": 10.0, "p90": 12.0},
-               "tpot_ms": {"p50": 1.0}, "cpu_ms_per_request": {"total": 50.0, "LLMDecode": 50.0}}
-    run = {"commit": "abc", "command": "python -m bench compare", "started": "now", "machine": gpu_box,
-           "model": "m", "duration_s": 60, "systems": ["iris"], "ratios": [],
-           "results": [{"system": "iris", "replicas": 1, "point": "unique-c1", "summary": summary}]}
+    summary = {
+        "requests": 2,
+        "ok": 2,
+        "failed": 0,
+        "req_per_s": 1.0,
+        "ttft_ms": {"p50": 10.0, "p90": 12.0},
+        "tpot_ms": {"p50": 1.0},
+        "cpu_ms_per_request": {"total": 50.0, "LLMDecode": 50.0},
+    }
+    run = {
+        "commit": "abc",
+        "command": "python -m bench compare",
+        "started": "now",
+        "machine": gpu_box,
+        "model": "m",
+        "duration_s": 60,
+        "systems": ["iris"],
+        "ratios": [],
+        "results": [{"system": "iris", "replicas": 1, "point": "unique-c1", "summary": summary}],
+    }
     path = results.save(run, tmp_path / "run.json", report.markdown(run))
     assert json.loads(path.read_text())["machine"] == gpu_box
     md = (tmp_path / "run.md").read_text()
@@ -779,13 +1039,16 @@ def test_report_gives_whole_answer_latency_and_output_tokens_per_second_with_rat
     peer = report.summarize(records(0.10, 2.0, 64), 4.0, 4, None)
     assert iris["output_tokens_per_s"] == pytest.approx(4 * 64 / 2.0)
     assert iris["latency_ms"]["p50"] == pytest.approx(1150.0) and iris["latency_ms"]["p90"] == pytest.approx(1270.0)
-    assert iris["request_output_tokens_per_s"]["p50"] == pytest.approx(statistics.median(
-        [64 / (1 + i / 10) for i in range(4)]))
+    assert iris["request_output_tokens_per_s"]["p50"] == pytest.approx(
+        statistics.median([64 / (1 + i / 10) for i in range(4)])
+    )
     assert iris["failed"] == 1 and iris["tpot_ms"]["p50"] == pytest.approx((1150 - 50) / 63)
     assert report.summarize([], 0.0, 0, None)["output_tokens_per_s"] is None
 
-    results = [{"system": s, "replicas": 1, "point": "unique-c1", "summary": summary}
-               for s, summary in (("iris", iris), ("vllm", peer))]
+    results = [
+        {"system": s, "replicas": 1, "point": "unique-c1", "summary": summary}
+        for s, summary in (("iris", iris), ("vllm", peer))
+    ]
     (row,) = report.ratios(results)
     assert row["peer"] == "vllm"
     assert row["latency_p50"] == pytest.approx(0.5) and row["latency_p90"] == pytest.approx(0.5)
@@ -795,15 +1058,32 @@ def test_report_gives_whole_answer_latency_and_output_tokens_per_second_with_rat
     (old_row,) = report.ratios([results[0], {**results[1], "summary": old}])
     assert old_row["latency_p50"] is None and old_row["output_tokens_per_s"] is None and old_row["ttft_p50"]
 
-    machine = {"cpus": 2, "cpus_usable": 2, "memory_gib": 24.0, "gpus": [], "platform": "Linux", "arch": "x86_64",
-               "python": "3.11", "description": "2-CPU x86_64 machine with 24 GiB, no GPU"}
-    md = report.markdown({"commit": "abc", "command": "c", "started": "now", "machine": machine, "model": "m",
-                          "duration_s": 60, "systems": ["iris", "vllm"], "results": results,
-                          "ratios": [row]})
+    machine = {
+        "cpus": 2,
+        "cpus_usable": 2,
+        "memory_gib": 24.0,
+        "gpus": [],
+        "platform": "Linux",
+        "arch": "x86_64",
+        "python": "3.11",
+        "description": "2-CPU x86_64 machine with 24 GiB, no GPU",
+    }
+    md = report.markdown(
+        {
+            "commit": "abc",
+            "command": "c",
+            "started": "now",
+            "machine": machine,
+            "model": "m",
+            "duration_s": 60,
+            "systems": ["iris", "vllm"],
+            "results": results,
+            "ratios": [row],
+        }
+    )
     assert "| unique-c1 | 50 / 50 / 2.0 (1 failed) | 100 / 100 / 1.0 (1 failed) |" in md  # the TTFT table as before
     assert "| unique-c1 | 1150 / 1270 / 17.5 / 128.0 | 2300 / 2540 / 34.9 / 64.0 |" in md
-    assert ("| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |"
-            in md)
+    assert "| load point | peer | p50 TTFT | p90 TTFT | p50 TPOT | p50 e2e | p90 e2e | req/s | output tok/s |" in md
     assert "| unique-c1 | vllm | 0.50 | 0.50 | 0.50 | 0.50 | 0.50 | 2.00 | 2.00 |" in md
 
 
@@ -820,9 +1100,18 @@ def test_rounds_give_per_round_ratios_reported_as_their_median_and_range():
 
     # A noisy machine: round 1 is slow for everyone; Iris's ratio stays 0.5, 0.8, 0.6.
     latencies = {"iris": [0.5, 4.0, 0.6], "rayllm": [1.0, 5.0, 1.0]}
-    results = [{"system": system, "replicas": 1, "point": "text-c1", "round": r,
-                "summary": summary(latency, failed=int(system == "iris" and r == 2))}
-               for r in range(3) for system, series in latencies.items() for latency in [series[r]]]
+    results = [
+        {
+            "system": system,
+            "replicas": 1,
+            "point": "text-c1",
+            "round": r,
+            "summary": summary(latency, failed=int(system == "iris" and r == 2)),
+        }
+        for r in range(3)
+        for system, series in latencies.items()
+        for latency in [series[r]]
+    ]
     rows = report.ratios(results)
     assert [(row["round"], round(row["latency_p50"], 3)) for row in rows] == [(0, 0.5), (1, 0.8), (2, 0.6)]
     (medians,) = report.ratio_medians(rows)
@@ -831,9 +1120,21 @@ def test_rounds_give_per_round_ratios_reported_as_their_median_and_range():
     assert medians["ttft_p50"]["median"] == 0.6
 
     machine = {"cpus": 2, "description": "2-CPU x86_64 machine with 24 GiB, no GPU"}
-    md = report.markdown({"commit": "abc", "command": "c", "started": "now", "machine": machine, "model": "m",
-                          "duration_s": 60, "systems": ["iris", "rayllm"], "results": results, "rounds": 3,
-                          "ratios": rows, "ratio_medians": [medians]})
+    md = report.markdown(
+        {
+            "commit": "abc",
+            "command": "c",
+            "started": "now",
+            "machine": machine,
+            "model": "m",
+            "duration_s": 60,
+            "systems": ["iris", "rayllm"],
+            "results": results,
+            "rounds": 3,
+            "ratios": rows,
+            "ratio_medians": [medians],
+        }
+    )
     assert "3 rounds, the systems up side by side" in md
     # Iris's p50 TTFT is the median of 250, 2000 and 300 ms, its p50 e2e that of 500, 4000 and 600 ms;
     # its one failure (round 2) is counted once.
@@ -852,16 +1153,26 @@ def test_haproxy_variants_get_files_and_ports_of_their_own_and_their_ratios(tmp_
     a, b = systems.haproxy_env(tmp_path / "a"), systems.haproxy_env(tmp_path / "b")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith(str(tmp_path / "a"))
-    for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                "RAY_SERVE_HAPROXY_STATS_PORT"):
+    for key in (
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH",
+        "RAY_SERVE_HAPROXY_METRICS_PORT",
+        "RAY_SERVE_HAPROXY_STATS_PORT",
+    ):
         assert a[key] != b[key], key
     low, high = int(a["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]), int(a["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
     assert 30000 <= low < high < int(a["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) < 65536
     summary = report.summarize([], 1.0, 0, None) | {"req_per_s": 2.0}
-    results = [{"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
-               for name in ("iris", "iris-haproxy", "rayllm", "rayllm-haproxy")]
+    results = [
+        {"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
+        for name in ("iris", "iris-haproxy", "rayllm", "rayllm-haproxy")
+    ]
     assert sorted((r["system"], r["peer"]) for r in report.ratios(results)) == [
-        ("iris", "rayllm"), ("iris", "rayllm-haproxy"), ("iris-haproxy", "rayllm"), ("iris-haproxy", "rayllm-haproxy")]
+        ("iris", "rayllm"),
+        ("iris", "rayllm-haproxy"),
+        ("iris-haproxy", "rayllm"),
+        ("iris-haproxy", "rayllm-haproxy"),
+    ]
 
 
 def test_an_idle_system_is_paused_whole_and_resumed_and_stops_even_while_paused():
@@ -880,8 +1191,10 @@ def test_an_idle_system_is_paused_whole_and_resumed_and_stops_even_while_paused(
 
         def states_become(wanted: str) -> bool:  # a signal is delivered asynchronously
             for _ in range(100):
-                states = {Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                          for pid in process_tree([runner.pid])}
+                states = {
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    for pid in process_tree([runner.pid])
+                }
                 if states == {wanted}:
                     return True
                 time.sleep(0.02)
@@ -916,8 +1229,9 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([], 50) is None and percentile(iter([2.0, 1.0]), 100) == 2.0
     with pytest.raises(ValueError):
         percentile([1.0], 101)
-    assert distribution([0.001, 0.002, 0.003], 1000) == pytest.approx({"p50": 2.0, "p90": 2.8, "p99": 2.98,
-                                                                        "mean": 2.0})
+    assert distribution([0.001, 0.002, 0.003], 1000) == pytest.approx(
+        {"p50": 2.0, "p90": 2.8, "p99": 2.98, "mean": 2.0}
+    )
     assert distribution([], 1000) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
@@ -930,15 +1244,24 @@ def test_bench_code_has_one_percentile_and_no_path_edits_or_private_imports_betw
     for path in sorted(BENCH.rglob("*.py")):
         where = path.relative_to(BENCH.parent)
         source = path.read_text()
-        for banned in ("sys.path", "statistics.median", "statistics.quantiles", "np.percentile", "np.quantile",
-                       "numpy.percentile"):
+        for banned in (
+            "sys.path",
+            "statistics.median",
+            "statistics.quantiles",
+            "np.percentile",
+            "np.quantile",
+            "numpy.percentile",
+        ):
             if banned in source:
                 problems.append(f"{where}: {banned}")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and node.module in experiments:
                 problems.append(f"{where}: imports from the experiment {node.module}")
-            if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(pct|percentile|quantile)", node.name) \
-                    and where.as_posix() != "bench/harness/stats.py":
+            if (
+                isinstance(node, ast.FunctionDef)
+                and re.fullmatch(r"_?(pct|percentile|quantile)", node.name)
+                and where.as_posix() != "bench/harness/stats.py"
+            ):
                 problems.append(f"{where}: a percentile of its own ({node.name})")
     assert problems == []
 
@@ -964,8 +1287,9 @@ def test_results_readme_lists_exactly_the_files_that_exist():
     assert sorted(listed) == on_disk
     # The results the repository's README and docs cite by path are among them.
     docs = [BENCH.parent / "README.md", *sorted((BENCH.parent / "docs").glob("*.md"))]
-    cited = {name for doc in docs if doc.exists()
-             for name in re.findall(r"bench/results/([\w./-]+\.\w+)", doc.read_text())} - {"README.md"}
+    cited = {
+        name for doc in docs if doc.exists() for name in re.findall(r"bench/results/([\w./-]+\.\w+)", doc.read_text())
+    } - {"README.md"}
     assert cited and cited <= set(listed), cited - set(listed)
 
 
@@ -992,14 +1316,24 @@ def test_tenant_fairness_report_takes_the_median_of_per_round_ratios():
     def mode(alone, flood, rate):
         return {"alone": {"b_ttft_p50_ms": alone}, "flood": {"b_ttft_p50_ms": flood, "a_images_per_s": rate}}
 
-    rounds = [{"fair": mode(40, f, 2.0), "fifo": mode(41, 400, 2.1), "b_flood_fair_over_fifo": f / 400}
-              for f in (100, 300, 120)]
+    rounds = [
+        {"fair": mode(40, f, 2.0), "fifo": mode(41, 400, 2.1), "b_flood_fair_over_fifo": f / 400}
+        for f in (100, 300, 120)
+    ]
     summary = summarise(rounds)
     assert summary["b_flood_fair_over_fifo"] == {"median": 0.3, "min": 0.25, "max": 0.75}
     assert summary["b_flood_fifo_p50_ms"]["median"] == 400 and summary["a_images_per_s_fifo"]["median"] == 2.1
     summary["target_met"] = True
-    run = {"summary": summary, "rounds": rounds, "machine": "test box", "model": "m", "commit": "abc",
-           "flood_clients": 8, "b_px": 256, "b_requests": 8}
+    run = {
+        "summary": summary,
+        "rounds": rounds,
+        "machine": "test box",
+        "model": "m",
+        "commit": "abc",
+        "flood_clients": 8,
+        "b_px": 256,
+        "b_requests": 8,
+    }
     text = markdown(run)
     assert "**0.30** (0.25-0.75)" in text and "| under A's flood | 120 (100-300) | 400 (400-400) |" in text
 
@@ -1015,11 +1349,19 @@ def test_upload_free_report_takes_per_round_ratios_and_counts_what_failed():
         return case_result(records, 3 + failed, ["APIError: boom"] * failed)
 
     def round_(r: int, scale: float, vllm: bool = True) -> dict:
-        results = {"iris": {CACHED: case(40 * scale, 2_000_000), CLIENT_CACHED: case(20 * scale, 200),
-                            NEW: case(100 * scale, 2_000_000), CLIENT_MISS: case(110 * scale, 2_000_300, 2)}}
+        results = {
+            "iris": {
+                CACHED: case(40 * scale, 2_000_000),
+                CLIENT_CACHED: case(20 * scale, 200),
+                NEW: case(100 * scale, 2_000_000),
+                CLIENT_MISS: case(110 * scale, 2_000_300, 2),
+            }
+        }
         if vllm:
-            results["vllm"] = {CACHED: case(200 * scale, 2_000_000, failed=int(r == 1)),
-                               NEW: case(125 * scale, 2_000_000)}
+            results["vllm"] = {
+                CACHED: case(200 * scale, 2_000_000, failed=int(r == 1)),
+                NEW: case(125 * scale, 2_000_000),
+            }
         return {"round": r, "order": list(results), "results": results, "broken": []}
 
     # Round 1 is slow for everyone (the ratios hold); vllm misses round 2.
@@ -1036,10 +1378,22 @@ def test_upload_free_report_takes_per_round_ratios_and_counts_what_failed():
     assert ratios["the client's id / plain upload, cached (Iris)"]["rounds"] == 3
     assert ratios["Iris's client, miss+resend / vllm, a new photo"]["ttft_p50"]["median"] == 0.88
 
-    run = {"commit": "abc", "command": "python -m bench upload_free", "started": "now", "model": "m",
-           "machine": {"description": "2-CPU x86_64 machine with 24 GiB, no GPU"}, "duration_s": 540,
-           "requests": 3, "rounds": 3, "pause_idle": True, "photo_bytes": 2_000_000, "photo_px": [2800, 2100],
-           "starts": [{"system": "rayllm", "error": "did not start"}], "per_round": rounds, "summary": summary}
+    run = {
+        "commit": "abc",
+        "command": "python -m bench upload_free",
+        "started": "now",
+        "model": "m",
+        "machine": {"description": "2-CPU x86_64 machine with 24 GiB, no GPU"},
+        "duration_s": 540,
+        "requests": 3,
+        "rounds": 3,
+        "pause_idle": True,
+        "photo_bytes": 2_000_000,
+        "photo_px": [2800, 2100],
+        "starts": [{"system": "rayllm", "error": "did not start"}],
+        "per_round": rounds,
+        "summary": summary,
+    }
     text = markdown(run)
     assert "| iris | client, cached | 200 | 20 (20–60) | 9 | 0 | 0 |" in text
     assert "| vllm | plain, cached | 2,000,000 | 400 (200–600) | 7 | 1 | 0 |" in text  # two rounds
@@ -1049,6 +1403,7 @@ def test_upload_free_report_takes_per_round_ratios_and_counts_what_failed():
 
 # ---- the harness survives its own load (issue 33): memory estimate, dying replicas, clean exit
 
+
 def _checkpoint(folder: Path) -> Path:
     """A checkpoint folder as the estimate reads it: config.json and safetensors with a tower and a language model."""
     import numpy as np
@@ -1056,8 +1411,10 @@ def _checkpoint(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
-    save_file({"vision_tower.w": np.zeros(1000, np.float32), "language_model.w": np.zeros(3000, np.float32)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {"vision_tower.w": np.zeros(1000, np.float32), "language_model.w": np.zeros(3000, np.float32)},
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
@@ -1090,13 +1447,35 @@ def test_memory_estimate_refuses_what_does_not_fit_before_starting_anything_and_
     assert mp.check([three], rounds=3, **machine) is None
     assert mp.check([[e] for e in four], rounds=1, **machine) is None
     assert mp.estimate("vllm", 1, replace(engine, gpu=True)).total == mp.API_SERVER + mp.ENGINE_CORE
-    assert mp.estimate("vllm", 1, replace(engine, checkpoint="no-such/model-here")).parts[-1][0].startswith(
-        "weights unknown")
+    assert (
+        mp.estimate("vllm", 1, replace(engine, checkpoint="no-such/model-here"))
+        .parts[-1][0]
+        .startswith("weights unknown")
+    )
 
     out = tmp_path / "out"
-    refusal = subprocess.run([sys.executable, "-m", "bench", "compare", "--model", str(ckpt), "--systems", "iris,vllm",
-                              "--replicas", "64", "--rounds", "2", "--out-dir", str(out)],
-                             cwd=BENCH.parent, capture_output=True, text=True, timeout=300)
+    refusal = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "compare",
+            "--model",
+            str(ckpt),
+            "--systems",
+            "iris,vllm",
+            "--replicas",
+            "64",
+            "--rounds",
+            "2",
+            "--out-dir",
+            str(out),
+        ],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refusal.returncode == 2 and "Not started" in refusal.stderr and "iris x64" in refusal.stderr, refusal.stderr
     assert not out.exists()  # refused before anything started or was written
     record = mp.refuse_unless_fits([["vllm"]], [64], engine, 1, ignore=True)
@@ -1134,8 +1513,13 @@ def test_the_harness_resumes_then_stops_every_system_it_started_however_it_ends(
 
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    child = subprocess.Popen([sys.executable, str(script), how, str(tmp_path)], cwd=BENCH.parent,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), how, str(tmp_path)],
+        cwd=BENCH.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = [int(pid) for pid in child.stdout.readline().split()]
         assert len(pids) == 2, child.stderr.read()
@@ -1194,8 +1578,12 @@ def test_a_dying_replica_engine_controller_or_runner_breaks_the_system_with_a_cl
             time.sleep(0.01)
 
     try:
-        names = ["ray::ServeReplica:iris:LLMDecode", "ray::ServeReplica:iris:Ingress", "VLLM::EngineCore",
-                 "ray::ServeController"]
+        names = [
+            "ray::ServeReplica:iris:LLMDecode",
+            "ray::ServeReplica:iris:Ingress",
+            "VLLM::EngineCore",
+            "ray::ServeController",
+        ]
         pids = {name: pid_of(name) for name in names}
         watch = liveness.Watch(system)
         assert sorted(kind for kind, _ in watch.baseline.values()) == ["controller", "engine", "replica", "replica"]
@@ -1206,7 +1594,9 @@ def test_a_dying_replica_engine_controller_or_runner_breaks_the_system_with_a_cl
 
         gone(pids["ray::ServeReplica:iris:LLMDecode"])
         problem = watch.alive()
-        assert problem.startswith(f"iris: replica iris:LLMDecode (pid {pids[names[0]]}) died") and "iris-1.log" in problem
+        assert (
+            problem.startswith(f"iris: replica iris:LLMDecode (pid {pids[names[0]]}) died") and "iris-1.log" in problem
+        )
         assert watch.check() == problem  # broken stays broken
 
         watch = liveness.Watch(system)
@@ -1262,8 +1652,14 @@ def test_a_variant_is_its_system_with_environment_of_its_own_compared_with_it_an
     assert started.name == "rayllm@x" and spawned[-1][2]["K"] == "V"  # the runner's: its Ray cluster's
 
     summary = report.summarize([], 1.0, 0, None) | {"req_per_s": 2.0}
-    results = [{"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
-               for name in ("iris-haproxy", "iris-haproxy@mp", "rayllm", "vllm@x")]
+    results = [
+        {"system": name, "replicas": 1, "point": "text-c1", "summary": summary}
+        for name in ("iris-haproxy", "iris-haproxy@mp", "rayllm", "vllm@x")
+    ]
     assert sorted((r["system"], r["peer"]) for r in report.ratios(results)) == [
-        ("iris-haproxy", "rayllm"), ("iris-haproxy", "vllm@x"), ("iris-haproxy@mp", "iris-haproxy"),
-        ("iris-haproxy@mp", "rayllm"), ("iris-haproxy@mp", "vllm@x")]
+        ("iris-haproxy", "rayllm"),
+        ("iris-haproxy", "vllm@x"),
+        ("iris-haproxy@mp", "iris-haproxy"),
+        ("iris-haproxy@mp", "rayllm"),
+        ("iris-haproxy@mp", "vllm@x"),
+    ]

@@ -34,7 +34,13 @@ def test_hub_layout(family, tiny_checkpoint):
     from safetensors import safe_open
 
     folder = Path(tiny_checkpoint(family))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "processor_config.json", "model.safetensors"):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "processor_config.json",
+        "model.safetensors",
+    ):
         assert (folder / name).is_file(), name
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
@@ -85,8 +91,9 @@ def test_batched_encode_equals_single(tiny_checkpoint):
     pixels = [vision.preprocess(make_image(*s)) for s in SIZES.values()]
     batched = vision.encode(pixels)
     for p, b in zip(pixels, batched):
-        torch.testing.assert_close(b.tensors["image_embeds"], vision.encode([p])[0].tensors["image_embeds"],
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            b.tensors["image_embeds"], vision.encode([p])[0].tensors["image_embeds"], rtol=0, atol=1e-4
+        )
     assert len({p.num_tokens for p in pixels}) == 3  # sizes differ: dynamic resolution works
 
 
@@ -122,19 +129,24 @@ def _model_on_meta(family: str, size: str, monkeypatch, tmp_path):
 
     made = {}
     for module in (llava, qwen2_vl):
-        monkeypatch.setattr(module, "save", lambda model, processor, tokenizer, spec, out: made.update(
-            model=model, tokenizer=tokenizer))
+        monkeypatch.setattr(
+            module, "save", lambda model, processor, tokenizer, spec, out: made.update(model=model, tokenizer=tokenizer)
+        )
     spec = builtin.BUILDERS[family].specs[size]
     with builtin.drawing_weights(spec, "meta"):
         builtin.BUILDERS[family].build(spec, tmp_path)
     return made["model"], made["tokenizer"]
 
 
-@pytest.mark.parametrize("family, billions, text, vision", [
-    # (hidden, layers, heads, kv heads, MLP, vocabulary), (hidden, layers, heads, patch, MLP): the real config.json's
-    ("llava", 7.063, (4096, 32, 32, 32, 11008, 32064), (1024, 24, 16, 14, 4096)),
-    ("qwen2_5_vl", 8.292, (3584, 28, 28, 4, 18944, 152064), (1280, 32, 16, 14, 3420)),
-])
+@pytest.mark.parametrize(
+    "family, billions, text, vision",
+    [
+        # (hidden, layers, heads, kv heads, MLP, vocabulary), (hidden, layers, heads, patch, MLP):
+        # the real config.json's
+        ("llava", 7.063, (4096, 32, 32, 32, 11008, 32064), (1024, 24, 16, 14, 4096)),
+        ("qwen2_5_vl", 8.292, (3584, 28, 28, 4, 18944, 152064), (1280, 32, 16, 14, 3420)),
+    ],
+)
 def test_7b_builtins_have_the_real_models_dimensions(family, billions, text, vision, monkeypatch, tmp_path):
     """builtin:7b-llava and builtin:7b-qwen2-5-vl are LLaVA-1.5-7B and Qwen2.5-VL-7B but for their
     weights and tokenizer: the same parameter count (7.06 B, 8.29 B), bfloat16."""
@@ -143,8 +155,14 @@ def test_7b_builtins_have_the_real_models_dimensions(family, billions, text, vis
     assert params / 1e9 == pytest.approx(billions, abs=0.001)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     t, v = model.config.text_config, model.config.vision_config
-    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.intermediate_size,
-            t.vocab_size) == text
+    assert (
+        t.hidden_size,
+        t.num_hidden_layers,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.intermediate_size,
+        t.vocab_size,
+    ) == text
     assert len(tokenizer) == t.vocab_size
     depth = getattr(v, "num_hidden_layers", None) or v.depth
     heads = getattr(v, "num_attention_heads", None) or v.num_heads
@@ -164,10 +182,17 @@ def test_padded_vocabulary_decodes_every_token_and_text_encodes_to_bytes_only(tm
 
     import pipeline.model.builtin as builtin
 
-    spec = dataclasses.replace(builtin.BUILDERS["qwen2_5_vl"].specs["tiny"], dtype="bfloat16", vocab_size=2000,
-                               text_intermediate=200, vision_intermediate=96, fast_build=True)
-    monkeypatch.setitem(builtin.BUILDERS, "qwen2_5_vl", dataclasses.replace(
-        builtin.BUILDERS["qwen2_5_vl"], specs={"padded": spec}))
+    spec = dataclasses.replace(
+        builtin.BUILDERS["qwen2_5_vl"].specs["tiny"],
+        dtype="bfloat16",
+        vocab_size=2000,
+        text_intermediate=200,
+        vision_intermediate=96,
+        fast_build=True,
+    )
+    monkeypatch.setitem(
+        builtin.BUILDERS, "qwen2_5_vl", dataclasses.replace(builtin.BUILDERS["qwen2_5_vl"], specs={"padded": spec})
+    )
     folder = build_checkpoint("qwen2_5_vl", "padded", tmp_path / "padded")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert len(tokenizer) == 2000

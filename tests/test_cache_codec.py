@@ -6,8 +6,8 @@ import tempfile
 import pytest
 import torch
 
-from cache_service.features import Features
 from cache_service.codec import HEADER, CorruptValue, decode, encode
+from cache_service.features import Features
 from tests.cache_fixtures import assert_same_features, make_features
 
 
@@ -45,12 +45,12 @@ def test_value_is_safetensors_after_the_header():
 
     features = all_dtypes_features()
     value = bytes(encode(features))
-    loaded = load(value[HEADER.size:])
+    loaded = load(value[HEADER.size :])
     assert loaded.keys() == features.tensors.keys()
     for name, tensor in features.tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor.contiguous()), name
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
-        f.write(value[HEADER.size:])
+        f.write(value[HEADER.size :])
         f.flush()
         with safe_open(f.name, "pt") as st:
             assert json.loads(st.metadata()["iris.meta"]) == features.meta

@@ -116,6 +116,7 @@ async def test_full_redis_fails_writes_without_degrading(make_cache, namespace, 
 async def test_ping_reports_reachability():
     from cache_service.config import CacheConfig
     from cache_service.feature_cache import FeatureCache
+
     down = FeatureCache(CacheConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
     assert await down.ping() is False
     assert down.stats()["degraded"] == 1

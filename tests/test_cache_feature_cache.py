@@ -248,8 +248,9 @@ async def test_close_flushes_write_behind_within_its_timeout(make_cache, namespa
     with private_redis("--enable-debug-command", "yes") as slow:
         cache = make_cache(redis_url=slow.url, redis_timeout_s=5)
         assert await cache.ping()
-        sleeping = asyncio.ensure_future(asyncio.to_thread(
-            lambda: redis.Redis.from_url(slow.url).execute_command("DEBUG", "SLEEP", "0.5")))
+        sleeping = asyncio.ensure_future(
+            asyncio.to_thread(lambda: redis.Redis.from_url(slow.url).execute_command("DEBUG", "SLEEP", "0.5"))
+        )
         await asyncio.sleep(0.1)  # Redis busy: the write waits for it
         [result] = await cache.get_or_compute_many([key], _computed, write_behind=True)
         assert not result.stored.done()

@@ -16,10 +16,10 @@ import pytest
 import torch
 import xxhash
 
-from cache_service.features import Features
 from cache_service.codec import HEADER, MAGIC, encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 from cache_service.keys import uuid_key
 from cache_service.validation import FINGERPRINT_META, ValueCheck
 from tests.cache_fixtures import SHARED_REDIS_URL
@@ -79,30 +79,42 @@ HOSTILE: dict[str, tuple[bytes, str]] = {
     "metadata_not_a_dict": (raw({"__metadata__": ["iris.meta"], "image_embeds": tensor()}, EMBEDS), "corrupt"),
     "meta_json_not_a_string": (raw({"__metadata__": {"iris.meta": 5}, "image_embeds": tensor()}, EMBEDS), "corrupt"),
     "missing_meta": (raw({"image_embeds": tensor()}, EMBEDS), "corrupt"),
-    "meta_with_nan": (value_with('{"num_tokens": NaN, "fingerprint": "%s"}' % FP, image_embeds=tensor()), "corrupt"),
+    "meta_with_nan": (value_with(f'{{"num_tokens": NaN, "fingerprint": "{FP}"}}', image_embeds=tensor()), "corrupt"),
     "tensor_entry_not_a_dict": (value_with(GOOD_META, image_embeds=5), "corrupt"),
     # Tensors: truncated (checksum recomputed over the short value), bad dtype / shape / range.
-    "truncated_tensor": (raw({"__metadata__": {"iris.meta": GOOD_META}, "image_embeds": tensor()}, EMBEDS[:-64]),
-                         "corrupt"),
+    "truncated_tensor": (
+        raw({"__metadata__": {"iris.meta": GOOD_META}, "image_embeds": tensor()}, EMBEDS[:-64]),
+        "corrupt",
+    ),
     "unknown_dtype": (value_with(GOOD_META, image_embeds=tensor(dtype="F8_E4M3")), "corrupt"),
     "dtype_not_a_string": (value_with(GOOD_META, image_embeds=tensor(dtype=["BF16"])), "corrupt"),
     "negative_shape": (value_with(GOOD_META, image_embeds=tensor(shape=(-16, -32))), "corrupt"),
     "bool_shape": (value_with(GOOD_META, image_embeds=tensor(shape=(True, True), offsets=(0, 2))), "corrupt"),
-    "gigantic_shape_no_bytes": (value_with(GOOD_META, image_embeds=tensor(shape=(1 << 62, 1 << 62, 0),
-                                                                          offsets=(0, 0))), "corrupt"),
+    "gigantic_shape_no_bytes": (
+        value_with(GOOD_META, image_embeds=tensor(shape=(1 << 62, 1 << 62, 0), offsets=(0, 0))),
+        "corrupt",
+    ),
     "gigantic_shape": (value_with(GOOD_META, image_embeds=tensor(shape=(1 << 31, 1 << 31))), "corrupt"),
     "too_many_dims": (value_with(GOOD_META, image_embeds=tensor(shape=(1,) * 64 + (TOKENS, HIDDEN))), "corrupt"),
     "offsets_reversed": (value_with(GOOD_META, image_embeds=tensor(offsets=(len(EMBEDS), 0))), "corrupt"),
     "offsets_not_ints": (value_with(GOOD_META, image_embeds=tensor(offsets=("0", "1024"))), "corrupt"),
     # Well-formed values that are not this model's features for this key.
     "another_models_fingerprint": (features(fingerprint=OTHER_FP), "rejected"),
-    "no_fingerprint": (bytes(encode(Features({"image_embeds": torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16)},
-                                             {"num_tokens": TOKENS}))), "rejected"),
+    "no_fingerprint": (
+        bytes(
+            encode(Features({"image_embeds": torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16)}, {"num_tokens": TOKENS}))
+        ),
+        "rejected",
+    ),
     "wrong_modality": (features(modality="video"), "rejected"),
     "modality_not_a_string": (features(modality=["image"]), "rejected"),
     "wrong_dtype": (features(torch.ones(TOKENS, HIDDEN, dtype=torch.float32)), "rejected"),
-    "missing_num_tokens": (bytes(encode(Features({"image_embeds": torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16)},
-                                                 {FINGERPRINT_META: FP}))), "rejected"),
+    "missing_num_tokens": (
+        bytes(
+            encode(Features({"image_embeds": torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16)}, {FINGERPRINT_META: FP}))
+        ),
+        "rejected",
+    ),
     "shape_num_tokens_mismatch": (features(num_tokens=TOKENS * 4), "rejected"),
     "nan_values": (features(torch.full((TOKENS, HIDDEN), float("nan"), dtype=torch.bfloat16)), "rejected"),
     "inf_values": (features(torch.full((TOKENS, HIDDEN), float("inf"), dtype=torch.bfloat16)), "rejected"),

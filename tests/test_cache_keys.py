@@ -74,6 +74,7 @@ def test_invalid_inputs_raise_value_error():
 
 # --- content uuids: blake3:<hash>, the reserved uuid form that names a content key ---------------
 
+
 def test_a_content_uuid_maps_to_the_content_key_of_its_bytes_with_its_tenant_scoping():
     from cache_service.keys import content_uuid, item_key
 
@@ -89,8 +90,9 @@ def test_a_content_uuid_maps_to_the_content_key_of_its_bytes_with_its_tenant_sco
     # Another tenant naming the hash gets its own content key, not acme's.
     assert item_key(FP, "other", cuid, None, content_owner="other") != content_key(FP, data, tenant="acme")
     # Namespace and modality as for content keys.
-    assert item_key(FP, "a", cuid, None, namespace="n-1", modality="video", content_owner="a") == \
-        content_key(FP, data, "n-1", "a", "video")
+    assert item_key(FP, "a", cuid, None, namespace="n-1", modality="video", content_owner="a") == content_key(
+        FP, data, "n-1", "a", "video"
+    )
     # An ordinary uuid stays a uuid key, with or without bytes.
     assert item_key(FP, "acme", "sku-1", data, content_owner="acme") == uuid_key(FP, "acme", "sku-1")
 
@@ -105,11 +107,21 @@ def test_content_uuids_never_collide_with_uuid_keys():
     assert ":t:acme:" in key and key != uuid_key(FP, "acme", cuid)
 
 
-@pytest.mark.parametrize("bad", [
-    "blake3:", "blake3:abc", "blake3:" + "A" * 64, "blake3:" + "0" * 63, "blake3:" + "0" * 65,
-    "BLAKE3:" + "0" * 64, "Blake3:" + "0" * 64, "blake3:" + "g" * 64, "blake3: " + "0" * 64,
-    "blake3:" + "0" * 64 + "\n",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "blake3:",
+        "blake3:abc",
+        "blake3:" + "A" * 64,
+        "blake3:" + "0" * 63,
+        "blake3:" + "0" * 65,
+        "BLAKE3:" + "0" * 64,
+        "Blake3:" + "0" * 64,
+        "blake3:" + "g" * 64,
+        "blake3: " + "0" * 64,
+        "blake3:" + "0" * 64 + "\n",
+    ],
+)
 def test_a_malformed_content_uuid_is_refused(bad):
     from cache_service.keys import InvalidContentUuid, item_key, parse_content_uuid
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_service.features import Features
 from cache_service.codec import encode
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 from cache_service.keys import content_key, fingerprint_of, uuid_key
 from cache_service.validation import FINGERPRINT_META, ValueCheck, stamp_fingerprint
 from tests.cache_fixtures import SHARED_REDIS_URL, assert_same_features
@@ -32,17 +32,23 @@ def expectation(features: Features) -> str | None:
     return None
 
 
-def good(fp: str, seed: int = 0, tokens: int = TOKENS, hidden: int = HIDDEN, dtype=torch.bfloat16,
-         num_tokens: int | None = None) -> Features:
+def good(
+    fp: str,
+    seed: int = 0,
+    tokens: int = TOKENS,
+    hidden: int = HIDDEN,
+    dtype=torch.bfloat16,
+    num_tokens: int | None = None,
+) -> Features:
     g = torch.Generator().manual_seed(seed)
     embeds = torch.randn(tokens, hidden, generator=g).to(dtype)
-    return Features({"image_embeds": embeds}, {"num_tokens": tokens if num_tokens is None else num_tokens,
-                                               FINGERPRINT_META: fp})
+    return Features(
+        {"image_embeds": embeds}, {"num_tokens": tokens if num_tokens is None else num_tokens, FINGERPRINT_META: fp}
+    )
 
 
 def checked_cache(namespace, caches):
-    cache = FeatureCache(CacheConfig(redis_url=SHARED_REDIS_URL, namespace=namespace),
-                         check=ValueCheck(expectation))
+    cache = FeatureCache(CacheConfig(redis_url=SHARED_REDIS_URL, namespace=namespace), check=ValueCheck(expectation))
     caches.append(cache)
     return cache
 

@@ -45,11 +45,19 @@ async def caches():
     made: list[FeatureCache] = []
 
     def make(cluster: RedisClusterProcesses, check: ValueCheck | None = None, **overrides) -> FeatureCache:
-        settings = {"redis_url": cluster.url, "redis_cluster": True, "namespace": "cluster",
-                    "l1_max_bytes": 0, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
-                    # A killed master refuses connections at once; these only keep a busy machine
-                    # from passing for a dead master.
-                    "redis_timeout_s": 2.0, "redis_connect_timeout_s": 2.0, **overrides}
+        settings = {
+            "redis_url": cluster.url,
+            "redis_cluster": True,
+            "namespace": "cluster",
+            "l1_max_bytes": 0,
+            "backoff_initial_s": 0.2,
+            "backoff_max_s": 1.0,
+            # A killed master refuses connections at once; these only keep a busy machine
+            # from passing for a dead master.
+            "redis_timeout_s": 2.0,
+            "redis_connect_timeout_s": 2.0,
+            **overrides,
+        }
         cache = FeatureCache(CacheConfig(**settings), check=check)
         made.append(cache)
         return cache
@@ -94,6 +102,7 @@ async def test_single_flight_across_masters(cluster, caches):
 async def test_forged_and_corrupt_values_rejected_on_every_master(cluster, caches):
     """As on one Redis (test_cache_poisoning.py): wrong for the model or not a value at all ->
     counted, deleted, a miss."""
+
     def expect_16_tokens(features):
         return None if features.tensors["image_embeds"].shape[0] == 16 else "wrong token count"
 
@@ -128,6 +137,7 @@ class Load:
     async def _client(self, cache: FeatureCache) -> None:
         async def compute(indexes):
             return [make_features(i) for i in indexes]
+
         while not self._stop.is_set():
             try:
                 results = await cache.get_or_compute_many(KEYS, compute)
@@ -136,7 +146,7 @@ class Load:
                 self.failures.append(err)
             await asyncio.sleep(0.01)
 
-    async def __aenter__(self) -> "Load":
+    async def __aenter__(self) -> Load:
         self._tasks = [asyncio.create_task(self._client(c)) for c in self.caches]
         return self
 
@@ -187,15 +197,22 @@ async def test_a_master_killed_under_load(caches):
             # Calls that ended before the last check where the heir itself was no master yet ran
             # with the victim's slots unserved; the clients may find the heir before this test's
             # next check does, so the outage ends there, not when the promotion is seen.
-            not_yet_promoted = await load.until(lambda: is_master(cluster.client(heir)), 30,
-                                                "the replica was not promoted")
+            not_yet_promoted = await load.until(
+                lambda: is_master(cluster.client(heir)), 30, "the replica was not promoted"
+            )
             assert not_yet_promoted is not None  # the kill was seen before the promotion
             promoted = time.monotonic()
             outage = [hits for when, hits in load.calls if killed + 0.5 <= when <= not_yet_promoted]
-            await load.until(lambda: any(victim_keys <= hits for hits in load.since(promoted)), 30,
-                             "the dead master's keys did not hit again after the failover")
-            await load.until(lambda: all(c.l2.shards_down == [] for c in load.caches), 10,
-                             "the dead master is still counted as down after the failover")
+            await load.until(
+                lambda: any(victim_keys <= hits for hits in load.since(promoted)),
+                30,
+                "the dead master's keys did not hit again after the failover",
+            )
+            await load.until(
+                lambda: all(c.l2.shards_down == [] for c in load.caches),
+                10,
+                "the dead master is still counted as down after the failover",
+            )
         assert load.failures == []
         # During the outage the other masters' keys kept hitting, the dead one's were misses.
         assert outage and all(others <= hits for hits in outage)
@@ -216,10 +233,24 @@ async def test_slot_migration_under_load(cluster, caches):
         await load.until(lambda: len(load.calls) >= 4, 30, "no calls before the migration")
         started = time.monotonic()
         # Every slot of the master that holds KEYS[0], so that key moves while it is read.
-        moving = await asyncio.to_thread(subprocess.run, [
-            "redis-cli", "--cluster", "reshard", f"127.0.0.1:{source['port']}", "--cluster-from", source["id"],
-            "--cluster-to", target["id"], "--cluster-slots", "16384", "--cluster-yes"],
-            capture_output=True, timeout=120)
+        moving = await asyncio.to_thread(
+            subprocess.run,
+            [
+                "redis-cli",
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{source['port']}",
+                "--cluster-from",
+                source["id"],
+                "--cluster-to",
+                target["id"],
+                "--cluster-slots",
+                "16384",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=120,
+        )
         assert moving.returncode == 0, moving.stderr[-2000:]
         finished = time.monotonic()
         settled = finished + 1.0  # calls that began during the move have ended by then
@@ -246,9 +277,15 @@ async def test_a_slot_no_master_covers_is_a_miss_not_an_error(cluster, caches):
         assert reader.stats()["l2_errors"] >= 1 and reader.redis_available
     finally:
         cluster.client(port).execute_command("CLUSTER ADDSLOTS", slot)
-        cluster.wait_until(lambda: all(cluster.client(n).execute_command("CLUSTER COUNTKEYSINSLOT", slot) is not None
-                                       and _owner(cluster, n, slot) == port for n in cluster.nodes), 30,
-                           "the slot did not come back")
+        cluster.wait_until(
+            lambda: all(
+                cluster.client(n).execute_command("CLUSTER COUNTKEYSINSLOT", slot) is not None
+                and _owner(cluster, n, slot) == port
+                for n in cluster.nodes
+            ),
+            30,
+            "the slot did not come back",
+        )
 
 
 def _owner(cluster, node: int, slot: int) -> int | None:
@@ -273,9 +310,17 @@ def test_blocking_reader_of_a_cluster_with_a_master_frozen_is_bounded():
     try:
         key = next(k for k in KEYS if cluster.port_of_key(k) == victim)
         cluster.client(victim).set(key, b"v")
-        read = blocking_reader(CacheConfig(redis_url=cluster.url, redis_cluster=True, redis_timeout_s=0.4,
-                                           redis_connect_timeout_s=0.4, backoff_initial_s=5, backoff_max_s=5),
-                               "iris-test")
+        read = blocking_reader(
+            CacheConfig(
+                redis_url=cluster.url,
+                redis_cluster=True,
+                redis_timeout_s=0.4,
+                redis_connect_timeout_s=0.4,
+                backoff_initial_s=5,
+                backoff_max_s=5,
+            ),
+            "iris-test",
+        )
         assert read(key) == b"v"
         cluster.nodes[victim].proc.send_signal(signal.SIGSTOP)
         for _ in range(3):  # one timeout each (4 with redis-py's default retries)

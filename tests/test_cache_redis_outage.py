@@ -33,7 +33,7 @@ def test_blocking_reader_backs_off_once_redis_is_killed():
         read = blocking_reader(CacheConfig(redis_url=server.url, **FAST), "iris-test")
         assert read("k") == b"v"
         server.kill()
-        assert timed(lambda: read("k")) [0] is None  # a connection error: down at once
+        assert timed(lambda: read("k"))[0] is None  # a connection error: down at once
         # Known down: no read asks Redis (each would cost a connect) until the backoff passes.
         results, elapsed = timed(lambda: [read("k") for _ in range(200)])
         assert results == [None] * 200 and elapsed < 0.05
@@ -77,7 +77,9 @@ async def test_one_slow_reply_does_not_mark_redis_down(make_cache, namespace):
         assert await cache.put_many([(key, make_features(1))]) == [True]
         reader = make_cache(redis_url=server.url, redis_timeout_s=0.25, backoff_initial_s=5, backoff_max_s=5)
         assert await reader.ping()
-        busy = threading.Thread(target=lambda: redis.Redis.from_url(server.url).execute_command("DEBUG", "SLEEP", "0.4"))
+        busy = threading.Thread(
+            target=lambda: redis.Redis.from_url(server.url).execute_command("DEBUG", "SLEEP", "0.4")
+        )
         busy.start()
         await asyncio.sleep(0.05)
         assert await reader.get_many([key]) == [None]  # timed out
@@ -87,14 +89,17 @@ async def test_one_slow_reply_does_not_mark_redis_down(make_cache, namespace):
         assert got is not None and got.meta["seed"] == 1
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
-    ("rediss://iris:s3cret@host:6380/1", "rediss://iris:***@host:6380/1"),
-    ("redis://host:6379/0", "redis://host:6379/0"),
-    ("redis://iris@host/0", "redis://iris@host/0"),
-    ("unix:///run/redis.sock", "unix:///run/redis.sock"),
-    ("redis://:${IRIS_REDIS_PASSWORD}@host/0", "redis://:***@host/0"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
+        ("rediss://iris:s3cret@host:6380/1", "rediss://iris:***@host:6380/1"),
+        ("redis://host:6379/0", "redis://host:6379/0"),
+        ("redis://iris@host/0", "redis://iris@host/0"),
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+        ("redis://:${IRIS_REDIS_PASSWORD}@host/0", "redis://:***@host/0"),
+    ],
+)
 def test_redacted_urls_keep_everything_but_the_password(url, shown):
     assert redacted(url) == shown
 

@@ -13,8 +13,9 @@ from tests.cache_fixtures import SHARED_REDIS_URL, free_port
 
 
 def _tier(url: str, timeout_s: float = 1.0) -> RedisTier:
-    return RedisTier(CacheConfig(redis_url=url, redis_timeout_s=timeout_s, redis_connect_timeout_s=timeout_s),
-                     CacheStats())
+    return RedisTier(
+        CacheConfig(redis_url=url, redis_timeout_s=timeout_s, redis_connect_timeout_s=timeout_s), CacheStats()
+    )
 
 
 def test_groups_by_size():

@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cache_service.features import Features
 from cache_service.config import CacheConfig
 from cache_service.feature_cache import FeatureCache
+from cache_service.features import Features
 from cache_service.redis_tier import RedisTier
 from cache_service.stats import CacheStats
 from cache_service.store import Buffer
@@ -119,9 +119,14 @@ async def test_make_store_picks_the_backend():
 
 def test_cache_service_imports_no_circle():
     modules = {p.stem: p for p in (ROOT / "cache_service").glob("*.py")}
-    imports = {name: {node.module.split(".")[1] for node in ast.walk(ast.parse(path.read_text()))
-                      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cache_service.")}
-               for name, path in modules.items()}
+    imports = {
+        name: {
+            node.module.split(".")[1]
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cache_service.")
+        }
+        for name, path in modules.items()
+    }
 
     def visit(name: str, path: list[str]) -> None:
         assert name not in path, " -> ".join(path + [name])
@@ -150,6 +155,7 @@ def test_blocking_reader_reads_values_and_misses_when_the_store_cannot_be_asked(
         assert read(key + ":absent") is None
     finally:
         direct.delete(key)
-    nobody = blocking_reader(CacheConfig(redis_url="redis://127.0.0.1:1", redis_timeout_s=0.2,
-                                         redis_connect_timeout_s=0.2), "iris-test")
+    nobody = blocking_reader(
+        CacheConfig(redis_url="redis://127.0.0.1:1", redis_timeout_s=0.2, redis_connect_timeout_s=0.2), "iris-test"
+    )
     assert nobody(key) is None

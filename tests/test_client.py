@@ -33,12 +33,14 @@ def app(request, iris_apps, tiny_checkpoint):
     if request.param == "tenants":
         from tests.test_serving_tenants import APP, CONFIG, app_args
 
-        with iris_apps.use(APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG,
-                           keep=True) as running:
+        with iris_apps.use(
+            APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG, keep=True
+        ) as running:
             yield running
     else:
-        with iris_apps.use("iris-llava", reference_args(tiny_checkpoint("llava"), "float32", NAME), keep=True,
-                           route_prefix="/llava") as running:
+        with iris_apps.use(
+            "iris-llava", reference_args(tiny_checkpoint("llava"), "float32", NAME), keep=True, route_prefix="/llava"
+        ) as running:
             yield running
 
 
@@ -53,15 +55,23 @@ class Wire:
 
         self.bodies: list[bytes] = []
         http = httpx2.Client(timeout=120, event_hooks={"request": [lambda r: self.bodies.append(r.content)]})
-        self.client = IrisClient(openai_client=openai.OpenAI(
-            base_url=f"{app.url}/v1", api_key="none", max_retries=0, http_client=http,
-            default_headers={"X-Iris-Tenant": tenant}), sent=SentKeys())
+        self.client = IrisClient(
+            openai_client=openai.OpenAI(
+                base_url=f"{app.url}/v1",
+                api_key="none",
+                max_retries=0,
+                http_client=http,
+                default_headers={"X-Iris-Tenant": tenant},
+            ),
+            sent=SentKeys(),
+        )
 
     def ask(self, *images: bytes, stream: bool = False):
         parts = [{"type": "image", "image": png} for png in images]
         messages = [{"role": "user", "content": [*parts, {"type": "text", "text": REFERENCE_TEXT}]}]
-        r = self.client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
-                                                stream=stream)
+        r = self.client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=8, temperature=0, stream=stream
+        )
         if stream:
             return "".join(c.choices[0].delta.content or "" for c in r if c.choices), r.iris
         return r.choices[0].message.content, r.iris
@@ -87,8 +97,10 @@ def _ingress(app) -> dict[str, int]:
     stats = httpx.get(f"{app.url}/iris/stats", timeout=30)
     assert stats.status_code == 200, stats.text
     counts = stats.json()["ingress"]
-    return {name: counts.get(name, 0) for name in ("media_fetched", "preprocess_calls", "requests_ok",
-                                                   "requests_cache_miss", "images_cached")}
+    return {
+        name: counts.get(name, 0)
+        for name in ("media_fetched", "preprocess_calls", "requests_ok", "requests_cache_miss", "images_cached")
+    }
 
 
 def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -169,13 +181,18 @@ def test_a_content_uuid_names_the_servers_own_key_for_the_bytes(app):
     tenant, png = f"t-{uuid.uuid4().hex[:8]}", unique_png()
     assert client_content_uuid(png) == content_uuid(png)
     fingerprint = _fingerprint(app)
-    assert item_key(fingerprint, tenant, client_content_uuid(png), None, namespace=app.namespace,
-                    content_owner=tenant) == content_key(fingerprint, png, app.namespace, tenant)
+    assert item_key(
+        fingerprint, tenant, client_content_uuid(png), None, namespace=app.namespace, content_owner=tenant
+    ) == content_key(fingerprint, png, app.namespace, tenant)
     headers = {"X-Iris-Tenant": tenant}
 
     def chat(part: dict) -> httpx.Response:
-        body = {"model": NAME, "max_tokens": 8, "temperature": 0,
-                "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}]}
+        body = {
+            "model": NAME,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+        }
         return httpx.post(f"{app.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
     # Bytes with no uuid at all (any OpenAI client), then the content uuid alone: a hit.
@@ -205,10 +222,14 @@ def test_another_tenant_naming_a_content_key_gets_a_409_not_the_image(app):
     png = unique_png()
 
     def chat(key: str, part: dict) -> httpx.Response:
-        body = {"max_tokens": 4, "temperature": 0,
-                "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}]}
-        return httpx.post(f"{app.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
-                          timeout=120)
+        body = {
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+        }
+        return httpx.post(
+            f"{app.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=120
+        )
 
     alpha = IrisClient(base_url=f"{app.url}/v1", api_key=KEYS["alpha"], sent=SentKeys(), max_retries=0)
     ask = [{"role": "user", "content": [{"type": "image", "image": png}, {"type": "text", "text": REFERENCE_TEXT}]}]

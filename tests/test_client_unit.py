@@ -59,8 +59,9 @@ def test_a_miss_resends_exactly_the_missing_images_once(stub):
     stub.known.discard(("Bearer k1", content_uuid(b)))  # the server lost b
     reports = []
     client.on_report = reports.append
-    r = client.chat.completions.create(model="m", messages=_ask({"type": "image", "image": a},
-                                                                {"type": "image", "image": b}))
+    r = client.chat.completions.create(
+        model="m", messages=_ask({"type": "image", "image": a}, {"type": "image", "image": b})
+    )
     optimistic, resend = _parts(stub.bodies[-2]), _parts(stub.bodies[-1])
     assert [p["image_url"] for p in optimistic] == [None, None]
     assert resend[0]["image_url"] is None and resend[1]["image_url"]["url"].startswith("data:image/png;base64,")
@@ -78,14 +79,18 @@ def test_a_second_miss_raises_with_the_indexes(stub):
             status, answer = super().answer(body, auth)
             self.known.clear()
             return status, answer
+
     forgetful = Forgetful()
     with http_server(forgetful.handler()) as httpd:
-        client = IrisClient(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="k", sent=SentKeys(),
-                            max_retries=0)
+        client = IrisClient(
+            base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="k", sent=SentKeys(), max_retries=0
+        )
         png = unique_png()
         client.chat.completions.create(model="m", messages=_ask({"type": "image", "image": png}))
-        forgetful.answer = lambda body, auth: (409, {"error": {"code": "mm_cache_miss", "missing": [0],
-                                                               "message": "m", "type": "t", "param": None}})
+        forgetful.answer = lambda body, auth: (
+            409,
+            {"error": {"code": "mm_cache_miss", "missing": [0], "message": "m", "type": "t", "param": None}},
+        )
         with pytest.raises(CacheMissError) as err:
             client.chat.completions.create(model="m", messages=_ask({"type": "image", "image": png}))
         assert err.value.missing == [0]
@@ -135,8 +140,7 @@ def test_paths_pil_images_lazy_callables_urls_and_passed_through_parts(stub, tmp
 def test_a_stream_carries_its_report(stub):
     client, png = _client(stub), unique_png()
     for expect in (0, 1):
-        stream = client.chat.completions.create(model="m", stream=True,
-                                                messages=_ask({"type": "image", "image": png}))
+        stream = client.chat.completions.create(model="m", stream=True, messages=_ask({"type": "image", "image": png}))
         assert "".join(c.choices[0].delta.content or "" for c in stream) == "1 images"
         assert stream.iris.sent_as_id == expect
 
@@ -145,8 +149,9 @@ async def test_async_client_streams_and_resends(stub):
     client, png = AsyncIrisClient(base_url=stub.url, api_key="k1", sent=SentKeys(), max_retries=0), unique_png()
     first = await client.chat.completions.create(model="m", messages=_ask({"type": "image", "image": png}))
     stub.known.clear()
-    stream = await client.chat.completions.create(model="m", stream=True,
-                                                  messages=_ask({"type": "image", "image": png}))
+    stream = await client.chat.completions.create(
+        model="m", stream=True, messages=_ask({"type": "image", "image": png})
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream])
     assert text == first.choices[0].message.content and stream.iris.resent == [0]
     await client.close()
@@ -154,8 +159,10 @@ async def test_async_client_streams_and_resends(stub):
 
 def test_the_package_imports_no_server_library():
     """openai, httpx and blake3 only: no Ray, vLLM, torch, numpy or PIL at import."""
-    code = ("import sys, iris_client; heavy = {'ray', 'vllm', 'torch', 'numpy', 'PIL', 'cache_service', 'pipeline'}; "
-            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
+    code = (
+        "import sys, iris_client; heavy = {'ray', 'vllm', 'torch', 'numpy', 'PIL', 'cache_service', 'pipeline'}; "
+        "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

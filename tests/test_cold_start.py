@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def burst(checkpoint: str, *flags: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.support.preprocess_burst", str(checkpoint), *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.preprocess_burst", str(checkpoint), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["fresh"], "an image processor was imported before the burst: the test would prove nothing"

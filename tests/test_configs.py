@@ -25,8 +25,11 @@ def test_shipped_serve_configs_are_valid(name):
     from ray.serve.schema import ServeDeploySchema
 
     config = _serve_configs()[name]
-    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+    schema = (
+        ServeDeploySchema.model_validate(config)
+        if hasattr(ServeDeploySchema, "model_validate")
         else ServeDeploySchema.parse_obj(config)
+    )
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
     iris = IrisConfig.model_validate(app.args)
@@ -41,21 +44,25 @@ def test_shipped_serve_configs_are_valid(name):
 def test_default_serve_config_fits_two_cpus():
     """`serve run` on the 2-core machine declares 2 logical CPUs: all replicas at max scale must fit."""
     app = _serve_configs()["serve_config.yaml"]["applications"][0]
-    total = sum(d["ray_actor_options"]["num_cpus"] * d["autoscaling_config"]["max_replicas"]
-                for d in app["deployments"])
+    total = sum(
+        d["ray_actor_options"]["num_cpus"] * d["autoscaling_config"]["max_replicas"] for d in app["deployments"]
+    )
     assert total <= 2
     assert all(d["ray_actor_options"].get("num_gpus", 0) == 0 for d in app["deployments"])
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"max_images_per_prompt": 0}, "max_images_per_prompt"),
-    ({"cache": {"ttl_s": -1}}, "cache.ttl_s"),
-    ({"engine_args": {"no_such_arg": 1}}, "no_such_arg"),
-    ({"engine_args": {"enable_prefix_caching": False}}, "enable_prefix_caching"),
-    ({"engine_args": {"dtype": "float16"}}, "dtype"),
-    ({"media": {"max_image_bytes": "lots"}}, "media.max_image_bytes"),
-    ({"modle": "typo"}, "modle"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"max_images_per_prompt": 0}, "max_images_per_prompt"),
+        ({"cache": {"ttl_s": -1}}, "cache.ttl_s"),
+        ({"engine_args": {"no_such_arg": 1}}, "no_such_arg"),
+        ({"engine_args": {"enable_prefix_caching": False}}, "enable_prefix_caching"),
+        ({"engine_args": {"dtype": "float16"}}, "dtype"),
+        ({"media": {"max_image_bytes": "lots"}}, "media.max_image_bytes"),
+        ({"modle": "typo"}, "modle"),
+    ],
+)
 def test_bad_args_name_the_field(args, field):
     from deployments.app import build_app
 

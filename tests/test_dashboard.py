@@ -34,11 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE_METRICS_SHOWN = {"serve_deployment_replica_healthy"}
 # vLLM's engine metrics the dashboard shows, as vLLM declares them (its Ray stat logger exports them
 # with ':' as '_'; checked against the installed vLLM's source below).
-VLLM_METRICS_SHOWN = {"vllm:num_requests_running": "Gauge", "vllm:num_requests_waiting": "Gauge",
-                      "vllm:kv_cache_usage_perc": "Gauge"}
+VLLM_METRICS_SHOWN = {
+    "vllm:num_requests_running": "Gauge",
+    "vllm:num_requests_waiting": "Gauge",
+    "vllm:kv_cache_usage_perc": "Gauge",
+}
 _SUFFIXES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_sum", "_count")}
-_CONSTRUCTORS = {"Counter": "Counter", "Gauge": "Gauge", "Histogram": "Histogram",
-                 "latency_histogram": "Histogram"}  # deployments/metrics.py's helper
+_CONSTRUCTORS = {
+    "Counter": "Counter",
+    "Gauge": "Gauge",
+    "Histogram": "Histogram",
+    "latency_histogram": "Histogram",
+}  # deployments/metrics.py's helper
 
 
 def declared_metrics(folder: Path, prefix: str) -> dict[str, str]:
@@ -61,8 +68,21 @@ def exported_names(declared: dict[str, str]) -> dict[str, str]:
     return {f"ray_{name}{suffix}": name for name, kind in declared.items() for suffix in _SUFFIXES[kind]}
 
 
-_NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset", "inf", "nan"}
+_NOT_METRICS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -72,8 +92,11 @@ def metric_names(expr: str) -> set[str]:
     s = re.sub(r"\{[^}]*\}", " ", s)
     s = re.sub(r"\[[^\]]*\]", " ", s)
     s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
-    return {m.group() for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][\w:]*", s)
-            if m.group().lower() not in _NOT_METRICS and not s[m.end():].lstrip().startswith("(")}
+    return {
+        m.group()
+        for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][\w:]*", s)
+        if m.group().lower() not in _NOT_METRICS and not s[m.end() :].lstrip().startswith("(")
+    }
 
 
 def _iris_metrics() -> dict[str, str]:
@@ -86,16 +109,23 @@ def _ray_serve_metrics() -> dict[str, str]:
 
 
 def test_metric_names_are_read_from_promql():
-    expr = ('histogram_quantile(0.9, sum by (le, stage) (rate(ray_a_bucket{application=~"$application", '
-            'event=~"x|y"}[$__rate_interval]))) / sum without (replica) (ray_b_total) or on (job) ray_c')
+    expr = (
+        'histogram_quantile(0.9, sum by (le, stage) (rate(ray_a_bucket{application=~"$application", '
+        'event=~"x|y"}[$__rate_interval]))) / sum without (replica) (ray_b_total) or on (job) ray_c'
+    )
     assert metric_names(expr) == {"ray_a_bucket", "ray_b_total", "ray_c"}
 
 
 def test_iris_metrics_are_found_in_the_code():
     """The scan finds each kind of declaration (so an empty or partial scan cannot pass the tests below)."""
     iris = _iris_metrics()
-    assert {"iris_requests": "Counter", "iris_ttft_seconds": "Histogram", "iris_feature_cache_degraded": "Gauge",
-            "iris_encoder_batch_size": "Histogram", "iris_vllm_prefix_cache_hit_tokens": "Counter"}.items() <= iris.items()
+    assert {
+        "iris_requests": "Counter",
+        "iris_ttft_seconds": "Histogram",
+        "iris_feature_cache_degraded": "Gauge",
+        "iris_encoder_batch_size": "Histogram",
+        "iris_vllm_prefix_cache_hit_tokens": "Counter",
+    }.items() <= iris.items()
     assert len(iris) >= 14, iris
 
 
@@ -108,9 +138,11 @@ def _vllm_metrics_shown() -> dict[str, str]:
 
 
 def test_every_panel_queries_only_declared_metrics():
-    known = exported_names(_iris_metrics()) | exported_names(
-        {n: k for n, k in _ray_serve_metrics().items() if n in SERVE_METRICS_SHOWN}) | exported_names(
-        _vllm_metrics_shown())
+    known = (
+        exported_names(_iris_metrics())
+        | exported_names({n: k for n, k in _ray_serve_metrics().items() if n in SERVE_METRICS_SHOWN})
+        | exported_names(_vllm_metrics_shown())
+    )
     assert SERVE_METRICS_SHOWN <= set(_ray_serve_metrics()), "a Ray Serve metric the dashboard shows is not in Ray"
     unknown = {(q.panel, name) for q in panel_queries() for name in metric_names(q.expr) if name not in known}
     assert not unknown, f"panels query metrics that neither Iris, Ray Serve nor vLLM declares: {sorted(unknown)}"
@@ -162,8 +194,11 @@ def tenants_app(iris_apps, tiny_checkpoint):
 
 
 def _chat(app, key: str | None, parts: list[dict]) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 2, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{app.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
@@ -229,8 +264,10 @@ def test_every_panel_shows_data_from_a_real_prometheus(tenants_app):
                 # report intervals: the load may be over before Prometheus's first scrape. One more request.
                 _chat(tenants_app, alpha_key(), [])
             time.sleep(1)
-        print(f"prometheus ready in {prometheus_up - started:.1f} s; load {loaded - prometheus_up:.1f} s {codes}; "
-              f"every panel's data after {time.monotonic() - loaded:.1f} s more")
+        print(
+            f"prometheus ready in {prometheus_up - started:.1f} s; load {loaded - prometheus_up:.1f} s {codes}; "
+            f"every panel's data after {time.monotonic() - loaded:.1f} s more"
+        )
         if os.environ.get("IRIS_DASHBOARD_PNG"):  # for docs/img/dashboard.png: a minute of the same load
             from bench.dashboard_plot import plot
 
@@ -239,4 +276,5 @@ def test_every_panel_shows_data_from_a_real_prometheus(tenants_app):
                 time.sleep(8)
             plot(url, Path(os.environ["IRIS_DASHBOARD_PNG"]), wall_up - 5, time.time(), tenants_app.name, "10s")
     assert not empty, "panels with no data from Prometheus:\n" + "\n".join(
-        f"  {panel} [{legend}]: {expr}" for panel, legend, expr in empty)
+        f"  {panel} [{legend}]: {expr}" for panel, legend, expr in empty
+    )

@@ -29,8 +29,9 @@ def current_section() -> str:
 
 
 def test_config_reference_is_current():
-    assert current_section() == gen_config_docs.render(), \
+    assert current_section() == gen_config_docs.render(), (
         "docs/configuration.md's reference is stale: run .venv/bin/python scripts/gen_config_docs.py"
+    )
 
 
 def test_every_field_of_every_model_has_a_row():
@@ -50,8 +51,11 @@ def test_a_field_added_to_a_model_makes_the_reference_stale():
     from deployments.config import IrisConfig
     from pipeline.media.limits import MediaLimits
 
-    top = create_model("IrisConfig", __base__=IrisConfig,
-                       new_knob=(int, Field(7, ge=1, description="A knob added after the docs were made.")))
+    top = create_model(
+        "IrisConfig",
+        __base__=IrisConfig,
+        new_knob=(int, Field(7, ge=1, description="A knob added after the docs were made.")),
+    )
     rendered = gen_config_docs.render(top)
     assert rendered != current_section()
     assert "| `new_knob` | `int (≥ 1)` | `7` | A knob added after the docs were made. |" in rendered
@@ -59,8 +63,12 @@ def test_a_field_added_to_a_model_makes_the_reference_stale():
     # The same for a field of a nested model, `cache` and `media` alike.
     cache = create_model("CacheConfig", __base__=CacheConfig, new_cache_knob=(float, 0.5))
     media = create_model("MediaLimits", __base__=MediaLimits, new_media_knob=(bool, True))
-    nested = create_model("IrisConfig", __base__=IrisConfig,
-                          cache=(cache, Field(default_factory=cache)), media=(media, Field(default_factory=media)))
+    nested = create_model(
+        "IrisConfig",
+        __base__=IrisConfig,
+        cache=(cache, Field(default_factory=cache)),
+        media=(media, Field(default_factory=media)),
+    )
     rendered = gen_config_docs.render(nested)
     assert rendered != current_section()
     assert "| `cache.new_cache_knob` | `float` | `0.5` | — |" in rendered
@@ -95,8 +103,12 @@ def test_every_field_is_described_in_its_model():
     from deployments.config import IrisConfig
     from pipeline.media.limits import MediaLimits
 
-    undescribed = [f"{model.__name__}.{name}" for model in (IrisConfig, CacheConfig, MediaLimits)
-                   for name in model.model_fields if not gen_config_docs.description(model, name)]
+    undescribed = [
+        f"{model.__name__}.{name}"
+        for model in (IrisConfig, CacheConfig, MediaLimits)
+        for name in model.model_fields
+        if not gen_config_docs.description(model, name)
+    ]
     assert not undescribed, undescribed
 
 
@@ -139,8 +151,10 @@ def links(path: Path) -> list[str]:
 
 
 def test_slug_matches_github():
-    assert slug("Why vLLM's model class in the replica, not an encoder-only vLLM engine") == \
-        "why-vllms-model-class-in-the-replica-not-an-encoder-only-vllm-engine"
+    assert (
+        slug("Why vLLM's model class in the replica, not an encoder-only vLLM engine")
+        == "why-vllms-model-class-in-the-replica-not-an-encoder-only-vllm-engine"
+    )
     assert slug("Results (CPU figures)") == "results-cpu-figures"
     assert slug("autoscale.json") == "autoscalejson"
     assert slug("`cache.redis_url` and [Redis](x.md)") == "cacheredis_url-and-redis"
@@ -149,8 +163,10 @@ def test_slug_matches_github():
 def test_link_checker_sees_broken_links(tmp_path):
     (tmp_path / "a.md").write_text("# Top\n\n## Some part\n\n```bash\n# not a heading\n[x](missing.md)\n```\n")
     page = tmp_path / "b.md"
-    page.write_text("[ok](a.md#some-part) [bad anchor](a.md#not-a-heading) [bad file](nowhere.md) "
-                    "`[code](gone.md)` [web](https://example.com) [self](#own)\n\n## Own\n")
+    page.write_text(
+        "[ok](a.md#some-part) [bad anchor](a.md#not-a-heading) [bad file](nowhere.md) "
+        "`[code](gone.md)` [web](https://example.com) [self](#own)\n\n## Own\n"
+    )
     assert broken_links(page) == ["a.md#not-a-heading", "nowhere.md"]
 
 

@@ -14,8 +14,8 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import PlaceholderRange
 
-from cache_service.features import Features
 from cache_service.codec import encode
+from cache_service.features import Features
 from cache_service.keys import content_hash, uuid_key
 from pipeline.model.ec_connector import IrisECConnector, IrisECMetadata
 from pipeline.model.ec_staging import staged_name
@@ -28,15 +28,18 @@ USABLE_BY_THE_ENGINE = {"shape_num_tokens_mismatch", "missing_num_tokens"}
 
 
 def connector(role=ECConnectorRole.SCHEDULER, **extra) -> IrisECConnector:
-    ec = SimpleNamespace(is_ec_producer=False, is_ec_consumer=True, ec_connector_extra_config=extra,
-                         mm_encoder_output_widths={})
-    return IrisECConnector(SimpleNamespace(ec_transfer_config=ec, model_config=SimpleNamespace(dtype=torch.bfloat16)),
-                           role)
+    ec = SimpleNamespace(
+        is_ec_producer=False, is_ec_consumer=True, ec_connector_extra_config=extra, mm_encoder_output_widths={}
+    )
+    return IrisECConnector(
+        SimpleNamespace(ec_transfer_config=ec, model_config=SimpleNamespace(dtype=torch.bfloat16)), role
+    )
 
 
 def plane(namespace: str, url: str = SHARED_REDIS_URL) -> IrisECConnector:
-    return connector(redis_url=url, namespace=namespace, fingerprint=FP, tenant="default",
-                     redis_timeout_s=0.2, backoff_initial_s=5)
+    return connector(
+        redis_url=url, namespace=namespace, fingerprint=FP, tenant="default", redis_timeout_s=0.2, backoff_initial_s=5
+    )
 
 
 def request(identifier: str, modality: str = "image"):

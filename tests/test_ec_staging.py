@@ -25,8 +25,13 @@ def full_shm(tmp_path):
     """A folder in a 1 MiB tmpfs (else one made read-only): what a full /dev/shm looks like."""
     where = tmp_path / "shm"
     where.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-                                                   capture_output=True).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True
+        ).returncode
+        == 0
+    )
     yield where, mounted
     if mounted:
         subprocess.run(["umount", str(where)], check=True)
@@ -61,8 +66,9 @@ def test_a_read_only_folder_fails_like_a_full_one(tmp_path):
 
 
 def test_folders_of_dead_processes_are_swept_when_a_replica_starts(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     left_behind = tmp_path / f"iris-ec-{dead_pid}-abc123"
     left_behind.mkdir()

@@ -38,8 +38,11 @@ async def make_encoder(ray_cluster, tiny_checkpoint, namespace, monkeypatch):
     made: list[VisionEncoder] = []
 
     def make(cache: dict | None = None, **settings) -> VisionEncoder:
-        config = IrisConfig(model=tiny_checkpoint("llava"), **settings,
-                            cache={"redis_url": SHARED_REDIS_URL, "namespace": namespace, **(cache or {})})
+        config = IrisConfig(
+            model=tiny_checkpoint("llava"),
+            **settings,
+            cache={"redis_url": SHARED_REDIS_URL, "namespace": namespace, **(cache or {})},
+        )
         encoder = VisionEncoder.func_or_class(config)
         made.append(encoder)
         return encoder
@@ -85,8 +88,9 @@ def pixels_of(encoder: VisionEncoder, data: bytes):
 
 
 def key_of(encoder: VisionEncoder, tenant: str, data: bytes) -> str:
-    return item_key(encoder.fingerprint, tenant, None, data, namespace=encoder.cache.config.namespace,
-                    content_owner=tenant)
+    return item_key(
+        encoder.fingerprint, tenant, None, data, namespace=encoder.cache.config.namespace, content_owner=tenant
+    )
 
 
 def refused_by_the_tower(pixels):
@@ -105,7 +109,8 @@ async def test_an_item_the_tower_refuses_fails_alone_in_its_batch(make_encoder):
     refused, encoded = await asyncio.gather(
         encoder.encode(key_of(encoder, "tenant-a", bad_data), bad, "tenant-a", None, "image[1]"),
         encoder.encode(key_of(encoder, "tenant-b", good_data), good, "tenant-b", None, "image[0]"),
-        return_exceptions=True)
+        return_exceptions=True,
+    )
     assert isinstance(encoded, EncodedMedia), encoded
     assert encoder.batches == 1  # one batch held both
     [alone] = encoder.vision.encode([good])
@@ -188,8 +193,10 @@ async def test_graceful_shutdown_flushes_the_redis_writes_behind_responses(make_
 async def test_a_backlogged_replica_does_not_encode_again_what_another_replica_encoded(make_encoder):
     """Replica `busy` has every slot taken for longer than the single-flight wait and the lock's TTL; a
     request for the same image on `idle` is encoded there, and `busy` finds it once its turn comes."""
-    settings = {"cache": {"single_flight_wait_s": 0.3, "single_flight_poll_s": 0.02, "lock_ttl_s": 0.6},
-                "encoder_batch_wait_s": 0.01}
+    settings = {
+        "cache": {"single_flight_wait_s": 0.3, "single_flight_poll_s": 0.02, "lock_ttl_s": 0.6},
+        "encoder_batch_wait_s": 0.01,
+    }
     busy, idle = make_encoder(**settings), make_encoder(**settings)
     data = unique_png(6)
     key, pixels = key_of(busy, "t", data), pixels_of(busy, data)

@@ -42,7 +42,7 @@ LOST = {
     "worker crashed": WorkerCrashedError(),
     "task failed for a dead actor": RayTaskError("encode", "traceback", ActorDiedError()),
     "serve: upstream died": _serve_upstream_crash(),
-    "serve: no replica": DeploymentUnavailableError("LLMDecode")  # (Serve passes its DeploymentID),
+    "serve: no replica": DeploymentUnavailableError("LLMDecode"),  # (Serve passes its DeploymentID),
 }
 
 

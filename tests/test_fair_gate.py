@@ -56,7 +56,7 @@ def test_tenants_with_backlogs_alternate():
     assert order[:2] == ["a", "a"] or order[:2] == ["a", "b"]
     # After the first, never two of one tenant in a row while the other still waits.
     for i in range(1, 10):
-        assert order[i:i + 2] in (["a", "b"], ["b", "a"]), order
+        assert order[i : i + 2] in (["a", "b"], ["b", "a"]), order
 
 
 def test_weights_share_slots_in_proportion():

@@ -6,9 +6,9 @@ Families vLLM takes no image embeddings for (read from vLLM's source) get their 
 through Iris's EC connector, and their app runs two decode replicas: an upload-free request
 is answered from the feature cache whichever replica takes it, and no decode engine's tower
 ever runs (the connector's counters; also for LLaVA-NeXT and InternVL, whose embedding input
-takes no images of other sizes in one prompt, so they go through the connector too). The server is monolithic (its own processor and tower) and
-also writes its encoder's output per image through vLLM's `ECExampleConnector`
-(`ec_role: ec_both`), so one engine gives both references:
+takes no images of other sizes in one prompt, so they go through the connector too). The server
+is monolithic (its own processor and tower) and also writes its encoder's output per image
+through vLLM's `ECExampleConnector` (`ec_role: ec_both`), so one engine gives both references:
 - greedy tokens: one image, two image sizes, two images in one prompt; one video, and a
   video with an image, for the families whose built-in takes video;
 - features: what Iris's VisionEncoder computed for an image against the engine's
@@ -48,8 +48,10 @@ FEATURE_RTOL = 4e-6
 # model (Qwen3.5, MiniCPM-V 4.6), whose linear attention vLLM runs on the CPU in bfloat16 only.
 # LLaVA first and Qwen2-VL last: their apps are also test_api_parity's and test_serving's, run just
 # before and just after this module (conftest), so each starts once.
-VARIANTS = sorted([(family, BUILDERS[family].specs["tiny"].dtype) for family in APP_TESTED_FAMILIES],
-                  key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"))
+VARIANTS = sorted(
+    [(family, BUILDERS[family].specs["tiny"].dtype) for family in APP_TESTED_FAMILIES],
+    key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"),
+)
 # Families whose built-in Iris serves video for: the built-in chat template places videos, and vLLM
 # takes their video features back as embeddings (InternVL: through the EC connector). The others
 # answer a video with a 400.
@@ -77,29 +79,42 @@ def systems(request, iris_apps, tiny_checkpoint, vllm_server):
     Kept when done: the next module may want the same app (reference_args)."""
     family, dtype = request.param
     config = None if takes_image_embeddings(tiny_checkpoint(family)) else TWO_DECODERS
-    with beside(lambda: vllm_server(family, dtype),
-                iris_apps.use(f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME),
-                              keep=True, config=config)
-                ) as (app, (vllm, ec_dir)):
+    with beside(
+        lambda: vllm_server(family, dtype),
+        iris_apps.use(
+            f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME), keep=True, config=config
+        ),
+    ) as (app, (vllm, ec_dir)):
         # The next variant's reference starts while this one's tests run.
-        selected = list(dict.fromkeys(item.callspec.params["systems"] for item in request.session.items
-                                      if item.module is request.module and "systems" in item.callspec.params))
-        following = selected[selected.index(request.param) + 1:]
+        selected = list(
+            dict.fromkeys(
+                item.callspec.params["systems"]
+                for item in request.session.items
+                if item.module is request.module and "systems" in item.callspec.params
+            )
+        )
+        following = selected[selected.index(request.param) + 1 :]
         if following:
             vllm_server.prefetch(*following[0])
         yield family, dtype, app.url, app.name, vllm, ec_dir
 
 
-def _chat(base: str, images: list[str], uuids: list[str] | None = None, videos: tuple[str, ...] = (),
-          status: int = 200) -> dict:
+def _chat(
+    base: str, images: list[str], uuids: list[str] | None = None, videos: tuple[str, ...] = (), status: int = 200
+) -> dict:
     parts = [{"type": "video_url", "video_url": {"url": data_url(clip_bytes(name), "video/mp4")}} for name in videos]
     for i, name in enumerate(images):
         part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(name))}}
         if uuids:
             part["uuid"] = uuids[i]
         parts.append(part)
-    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True,
-            "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}]}
+    body = {
+        "model": NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
+    }
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == status, r.text
     return r.json()
@@ -130,8 +145,10 @@ def test_video_greedy_tokens_equal_vllm_serve(systems, case):
     videos, images = VIDEO_CASES[case]
     if family not in VIDEO_FAMILIES:
         # Iris's own 400 (the model takes no video), or vLLM's (its template places none: vLLM's 500, a 400 on Iris).
-        assert _chat(iris, images, videos=videos, status=400)["error"]["type"] in ("invalid_request_error",
-                                                                                    "BadRequestError")
+        assert _chat(iris, images, videos=videos, status=400)["error"]["type"] in (
+            "invalid_request_error",
+            "BadRequestError",
+        )
         return
     ours, theirs = _chat(iris, images, videos=videos), _chat(vllm, images, videos=videos)
     assert _tokens(ours) == _tokens(theirs), (family, dtype, case)
@@ -215,7 +232,8 @@ def test_upload_free_from_features_no_decode_replica_saw(systems, raw_redis):
     marker = f"upload-free-{uuid.uuid4().hex[:8]}"
     key = uuid_key(encoder.get_fingerprint.remote().result(), "default", marker, running_app(app).namespace)
     pixels = serve.get_deployment_handle("Preprocess", app_name=app).pixels.remote(
-        MediaJob("image[0]", key, png_bytes("tall"), keep_source=connector))
+        MediaJob("image[0]", key, png_bytes("tall"), keep_source=connector)
+    )
     encoder.encode.remote(key, pixels).result()
     deadline = time.monotonic() + 30
     while not raw_redis.exists(key):  # the encoder writes behind its answer
@@ -223,8 +241,21 @@ def test_upload_free_from_features_no_decode_replica_saw(systems, raw_redis):
         time.sleep(0.1)
 
     expected = _tokens(_chat(vllm, ["tall"]))
-    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": None, "uuid": marker}, {"type": "text", "text": REFERENCE_TEXT}]}]}
+    body = {
+        "model": NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": None, "uuid": marker},
+                    {"type": "text", "text": REFERENCE_TEXT},
+                ],
+            }
+        ],
+    }
     for _ in range(16):  # Serve's default router: two replicas both take some (all on one: 2 in 65536)
         r = httpx.post(f"{iris}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text

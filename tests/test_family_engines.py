@@ -32,7 +32,8 @@ TIMEOUT_S = 600
 # which Iris's encoder must honour as the engine does (tests/test_stage_settings.py: the other
 # settings, without an engine).
 VARIANTS = [(family, BUILDERS[family].engine_args) for family in ENGINE_TESTED_FAMILIES] + [
-    ("llava", {"hf_overrides": {"vision_feature_layer": -1}})]
+    ("llava", {"hf_overrides": {"vision_feature_layer": -1}})
+]
 
 
 def _variant_id(variant) -> str:
@@ -44,9 +45,13 @@ def _variant_id(variant) -> str:
 def checked(request, tiny_checkpoint) -> tuple[str, dict]:
     family, engine_args = request.param
     dtype = BUILDERS[family].specs["tiny"].dtype
-    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype,
-                          json.dumps(engine_args)],
-                         capture_output=True, text=True, timeout=TIMEOUT_S, env=os.environ.copy())
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.support.family_engine", tiny_checkpoint(family), dtype, json.dumps(engine_args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=os.environ.copy(),
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return family, json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -85,4 +90,4 @@ def test_chat_route_answers_with_the_same_tokens(checked):
     """vLLM's chat rendering (what `vllm serve` runs) lays the image out as the checkpoint's
     template and processor say, and its greedy answer starts as the engine's own."""
     family, result = checked
-    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][:len(result["chat"])], family
+    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][: len(result["chat"])], family

@@ -13,12 +13,14 @@ def test_family_table_is_current(tiny_checkpoint):
 
     rows = family_table.rows()
     table = family_table.render(rows)
-    assert family_table.doc_table((ROOT / "docs" / "families.md").read_text()) == table, \
+    assert family_table.doc_table((ROOT / "docs" / "families.md").read_text()) == table, (
         "docs/families.md's family table is stale: run .venv/bin/python scripts/family_table.py"
+    )
     readme = family_table.readme_list(rows)
-    assert family_table.doc_table((ROOT / "README.md").read_text(), family_table.README_BEGIN,
-                                  family_table.README_END) == readme, \
-        "README.md's family list is stale: run .venv/bin/python scripts/family_table.py"
+    assert (
+        family_table.doc_table((ROOT / "README.md").read_text(), family_table.README_BEGIN, family_table.README_END)
+        == readme
+    ), "README.md's family list is stale: run .venv/bin/python scripts/family_table.py"
     # Every built-in family is served, has its row and is in the README; the registry is really
     # read (not an empty table).
     from pipeline.model.builtin import BUILDERS

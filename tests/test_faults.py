@@ -52,8 +52,10 @@ def redis_server():
 @pytest.fixture(scope="module")
 def fault_app(iris_apps, tiny_checkpoint, redis_server):
     args = {
-        "model": tiny_checkpoint("llava"), "served_model_name": MODEL,
-        "request_timeout_s": TIMEOUT_S, "max_tokens_limit": LIMIT,
+        "model": tiny_checkpoint("llava"),
+        "served_model_name": MODEL,
+        "request_timeout_s": TIMEOUT_S,
+        "max_tokens_limit": LIMIT,
         "engine_args": {"max_model_len": 4096, "enforce_eager": True},  # no torch.compile: a faster start
         # Reconnect quickly, so recovery is seen within the test's bounds.
         "cache": {"redis_url": redis_server.url, "backoff_initial_s": 0.05, "backoff_max_s": 0.5},
@@ -62,8 +64,10 @@ def fault_app(iris_apps, tiny_checkpoint, redis_server):
     # this box when cold), and LLMDecode must have done so before it takes traffic (the deadline
     # tests' first requests ask for logprobs), whatever earlier runs left in /tmp.
     with tempfile.TemporaryDirectory(prefix="iris-faults-inductor-", ignore_cleanup_errors=True) as compile_cache:
-        config = {"import_path": "deployments.app:build_app",
-                  "runtime_env": {"env_vars": {"TORCHINDUCTOR_CACHE_DIR": compile_cache}}}
+        config = {
+            "import_path": "deployments.app:build_app",
+            "runtime_env": {"env_vars": {"TORCHINDUCTOR_CACHE_DIR": compile_cache}},
+        }
         with iris_apps.use(APP, args, route_prefix="/faults", config=config) as app:
             yield app.url
 
@@ -73,8 +77,12 @@ def redis_up(fault_app, redis_server):
     """The app's base URL, with its Redis running and the app connected to it."""
     if redis_server.proc is None:
         redis_server.start()
-    _wait_for(lambda: httpx.get(f"{fault_app}/health", timeout=10).json()["redis"], 30, "the app connects to Redis",
-              interval_s=0.2)
+    _wait_for(
+        lambda: httpx.get(f"{fault_app}/health", timeout=10).json()["redis"],
+        30,
+        "the app connects to Redis",
+        interval_s=0.2,
+    )
     return fault_app
 
 
@@ -104,8 +112,12 @@ def _decode_idle() -> bool:
 
 def _chat_body(text: str = "Tell me everything.", *, images=(), **extra) -> dict:
     content = [{"type": "image_url", "image_url": {"url": url}} for url in images]
-    return {"model": MODEL, "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}],
-            "temperature": 0, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}],
+        "temperature": 0,
+        **extra,
+    }
 
 
 def _long_body(**extra) -> dict:
@@ -207,8 +219,12 @@ def test_max_tokens_over_the_limit_is_400(fault_app):
 
 # --------------------------------------------------------------------------- no Redis (the app started without)
 def _ask(base: str, url: str | None, uid: str | None = None, **extra) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": [image_part(url, uid), {"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 16, "temperature": 0, **extra}
+    body = {
+        "messages": [{"role": "user", "content": [image_part(url, uid), {"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 16,
+        "temperature": 0,
+        **extra,
+    }
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -243,8 +259,9 @@ def test_streamed_timeout_ends_the_stream_in_band(redis_up):
     CI runs failed so, 2026-12-01/02)."""
     base = redis_up
     started = time.monotonic()
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=_outlasting_body(stream=True),
-                      timeout=TIMEOUT_S + 30) as r:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=_outlasting_body(stream=True), timeout=TIMEOUT_S + 30
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_text())
     elapsed = time.monotonic() - started
@@ -284,8 +301,11 @@ def test_client_disconnect_aborts_the_decode(redis_up, stream):
         assert _stats("LLMDecode")["engine_unfinished"] == 1  # still generating: far from LIMIT tokens
     finally:
         request.disconnect()
-    _wait_for(lambda: _decode_idle() and _stats("LLMDecode")["left_early"] == left_early + 1, TIMEOUT_S + 5,
-              "vLLM aborted the abandoned request")
+    _wait_for(
+        lambda: _decode_idle() and _stats("LLMDecode")["left_early"] == left_early + 1,
+        TIMEOUT_S + 5,
+        "vLLM aborted the abandoned request",
+    )
     if stream:
         assert _ingress_counts(redis_up).get("requests_server_error", 0) == timeouts, "the deadline ended it"
 
@@ -294,14 +314,20 @@ def test_client_disconnect_stops_image_work(redis_up):
     """A client gone while its new images are preprocessed: the encoder never encodes them
     (its queued call is cancelled); no stage has work in progress for it afterwards."""
     encoded_before = _stats("VisionEncoder")["images_encoded"]
-    request = _RawRequest(redis_up, "/v1/chat/completions",
-                          _chat_body("What is in these?", images=_big_images(seed=int(time.time())), max_tokens=4))
+    request = _RawRequest(
+        redis_up,
+        "/v1/chat/completions",
+        _chat_body("What is in these?", images=_big_images(seed=int(time.time())), max_tokens=4),
+    )
     try:
         _wait_for(lambda: _stats("Preprocess")["preprocessing"] > 0, 20, "preprocessing started", interval_s=0.02)
     finally:
         request.disconnect()
-    _wait_for(lambda: _stats("Preprocess")["preprocessing"] == 0 and _stats("VisionEncoder")["encoding"] == 0,
-              5, "image work stopped")
+    _wait_for(
+        lambda: _stats("Preprocess")["preprocessing"] == 0 and _stats("VisionEncoder")["encoding"] == 0,
+        5,
+        "image work stopped",
+    )
     time.sleep(3)  # long enough for the encoder to have run, had its call survived
     assert _stats("VisionEncoder")["images_encoded"] == encoded_before
     assert _decode_idle()
@@ -348,10 +374,16 @@ def test_redis_killed_and_restarted_under_load(redis_up, redis_server):
 
     def metrics_recovered():
         samples = _scrape_metrics()
-        transitions = [v for n, labels, v in samples if n == "ray_iris_feature_cache_events_total"
-                       and labels.get("event") == "degraded_transitions" and labels.get("application") == APP]
-        degraded = [v for n, labels, v in samples if n == "ray_iris_feature_cache_degraded"
-                    and labels.get("application") == APP]
+        transitions = [
+            v
+            for n, labels, v in samples
+            if n == "ray_iris_feature_cache_events_total"
+            and labels.get("event") == "degraded_transitions"
+            and labels.get("application") == APP
+        ]
+        degraded = [
+            v for n, labels, v in samples if n == "ray_iris_feature_cache_degraded" and labels.get("application") == APP
+        ]
         return sum(transitions) >= 1 and degraded and not any(degraded)
 
     _wait_for(metrics_recovered, 40, "Prometheus shows the outage and the recovery", interval_s=2)
@@ -388,8 +420,9 @@ def test_replica_killed_mid_run(redis_up, deployment):
     async def kill():
         long_request = None
         if deployment == "LLMDecode":  # certainly in flight when the replica dies
-            long_request = asyncio.ensure_future(asyncio.to_thread(
-                httpx.post, f"{base}/v1/chat/completions", json=_long_body(), timeout=TIMEOUT_S + 30))
+            long_request = asyncio.ensure_future(
+                asyncio.to_thread(httpx.post, f"{base}/v1/chat/completions", json=_long_body(), timeout=TIMEOUT_S + 30)
+            )
         await asyncio.sleep(2)
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -420,8 +453,10 @@ def test_replica_killed_mid_run(redis_up, deployment):
             r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
         assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"
-        print(f"{deployment}: {len(records)} requests, {sum(not r.ok for r in records)} failed cleanly, "
-              f"replaced after {outcome['replaced_after_s']:.1f} s")
+        print(
+            f"{deployment}: {len(records)} requests, {sum(not r.ok for r in records)} failed cleanly, "
+            f"replaced after {outcome['replaced_after_s']:.1f} s"
+        )
     finally:
         # The killed replica's own children (vLLM's engine core) must not outlive it.
         gone, alive = psutil.wait_procs(engine_processes, timeout=30)

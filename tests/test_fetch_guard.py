@@ -37,26 +37,68 @@ PNG = _png()
 
 # --------------------------------------------------------------------------- address policy
 
-@pytest.mark.parametrize("addr", [
-    "127.0.0.1", "127.255.0.9", "0.0.0.0", "10.0.0.1", "172.16.5.4", "172.31.255.255", "192.168.1.1",
-    "169.254.169.254", "169.254.0.1", "100.64.0.1", "100.127.255.254", "224.0.0.1", "239.1.2.3",
-    "240.0.0.1", "255.255.255.255", "192.0.2.1", "198.18.0.1",
-    "::", "::1", "fe80::1", "febf::1", "fc00::1", "fd12:3456::1", "ff02::1",
-    "::ffff:127.0.0.1", "::ffff:169.254.169.254", "::ffff:10.0.0.1",  # IPv4-mapped
-    "::127.0.0.1",                                                     # IPv4-compatible (deprecated)
-    "2002:7f00:1::1", "2002:a9fe:a9fe::1",                             # 6to4 of loopback / metadata
-    "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",                           # NAT64 of loopback / metadata
-    "2001:db8::1", "2001::1",                                          # documentation, Teredo
-])
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "127.0.0.1",
+        "127.255.0.9",
+        "0.0.0.0",
+        "10.0.0.1",
+        "172.16.5.4",
+        "172.31.255.255",
+        "192.168.1.1",
+        "169.254.169.254",
+        "169.254.0.1",
+        "100.64.0.1",
+        "100.127.255.254",
+        "224.0.0.1",
+        "239.1.2.3",
+        "240.0.0.1",
+        "255.255.255.255",
+        "192.0.2.1",
+        "198.18.0.1",
+        "::",
+        "::1",
+        "fe80::1",
+        "febf::1",
+        "fc00::1",
+        "fd12:3456::1",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+        "::ffff:169.254.169.254",
+        "::ffff:10.0.0.1",  # IPv4-mapped
+        "::127.0.0.1",  # IPv4-compatible (deprecated)
+        "2002:7f00:1::1",
+        "2002:a9fe:a9fe::1",  # 6to4 of loopback / metadata
+        "64:ff9b::7f00:1",
+        "64:ff9b::a9fe:a9fe",  # NAT64 of loopback / metadata
+        "2001:db8::1",
+        "2001::1",  # documentation, Teredo
+    ],
+)
 def test_internal_addresses_are_not_public(addr):
     assert not is_public(ipaddress.ip_address(addr))
     assert not FetchPolicy().address_allowed(ipaddress.ip_address(addr))
 
 
-@pytest.mark.parametrize("addr", [
-    "8.8.8.8", "1.1.1.1", "93.184.216.34", "172.15.255.255", "172.32.0.1", "100.63.255.255", "100.128.0.1",
-    "169.253.255.255", "2606:4700:4700::1111", "2a00:1450:4001::200e", "::ffff:8.8.8.8", "2002:808:808::1",
-])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "8.8.8.8",
+        "1.1.1.1",
+        "93.184.216.34",
+        "172.15.255.255",
+        "172.32.0.1",
+        "100.63.255.255",
+        "100.128.0.1",
+        "169.253.255.255",
+        "2606:4700:4700::1111",
+        "2a00:1450:4001::200e",
+        "::ffff:8.8.8.8",
+        "2002:808:808::1",
+    ],
+)
 def test_public_addresses_are_allowed(addr):
     assert FetchPolicy().address_allowed(ipaddress.ip_address(addr))
 
@@ -79,14 +121,18 @@ def test_media_limits_validate_and_normalize_allow_lists():
     assert limits.allowed_fetch_cidrs == {"10.0.0.0/8", "fd00::/8"}
     assert limits.allowed_fetch_hosts == {"img.example"}
     assert MediaLimits().fetch_policy() == FetchPolicy()  # default: public only
-    for bad in ({"allowed_fetch_cidrs": {"10.0.0.0/33"}}, {"allowed_fetch_cidrs": {"localhost"}},
-                {"allowed_fetch_hosts": {""}}):
+    for bad in (
+        {"allowed_fetch_cidrs": {"10.0.0.0/33"}},
+        {"allowed_fetch_cidrs": {"localhost"}},
+        {"allowed_fetch_hosts": {""}},
+    ):
         with pytest.raises(ValidationError) as ei:
             MediaLimits(**bad)
         assert next(iter(bad)) in str(ei.value)
 
 
 # --------------------------------------------------------------------------- real servers on loopback
+
 
 class _Handler(QuietHandler):
     def do_GET(self):
@@ -134,12 +180,24 @@ def _is_refusal(err: IrisError) -> bool:
 
 async def test_loopback_refused_by_default_under_every_spelling(srv):
     a, _, port, _ = srv
-    urls = [f"http://127.0.0.1:{port}/ok.png", f"http://localhost:{port}/ok.png", f"http://LocalHost:{port}/ok.png",
-            f"http://127.1:{port}/ok.png", f"http://2130706433:{port}/ok.png", f"http://0x7f000001:{port}/ok.png",
-            f"http://017700000001:{port}/ok.png",
-            f"http://[::ffff:127.0.0.1]:{port}/ok.png", f"http://[::1]:{port}/ok.png", f"http://0.0.0.0:{port}/ok.png",
-            f"https://127.0.0.1:{port}/ok.png", "http://169.254.169.254/latest/meta-data/",
-            "http://[fd00::1]/x.png", "http://10.0.0.1/x.png", "http://192.168.0.1/x.png", "http://100.64.0.1/x.png"]
+    urls = [
+        f"http://127.0.0.1:{port}/ok.png",
+        f"http://localhost:{port}/ok.png",
+        f"http://LocalHost:{port}/ok.png",
+        f"http://127.1:{port}/ok.png",
+        f"http://2130706433:{port}/ok.png",
+        f"http://0x7f000001:{port}/ok.png",
+        f"http://017700000001:{port}/ok.png",
+        f"http://[::ffff:127.0.0.1]:{port}/ok.png",
+        f"http://[::1]:{port}/ok.png",
+        f"http://0.0.0.0:{port}/ok.png",
+        f"https://127.0.0.1:{port}/ok.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[fd00::1]/x.png",
+        "http://10.0.0.1/x.png",
+        "http://192.168.0.1/x.png",
+        "http://100.64.0.1/x.png",
+    ]
     for url in urls:
         err = await refused(url, MediaLimits(fetch_timeout_s=2))
         assert _is_refusal(err), (url, err)
@@ -171,8 +229,12 @@ async def test_redirect_from_allowed_server_to_disallowed_address_is_refused(srv
     # Redirect to an allowed place still works...
     assert await load_media_bytes(f"http://127.0.0.1:{port}/to?http://127.0.0.1:{port}/ok.png", limits) == PNG
     # ...but not to another internal address, the metadata service, or IPv6 loopback.
-    for target in (f"http://127.0.0.2:{port_b}/ok.png", "http://169.254.169.254/latest/meta-data/",
-                   f"http://[::1]:{port}/ok.png", f"http://10.0.0.1:{port}/ok.png"):
+    for target in (
+        f"http://127.0.0.2:{port_b}/ok.png",
+        "http://169.254.169.254/latest/meta-data/",
+        f"http://[::1]:{port}/ok.png",
+        f"http://10.0.0.1:{port}/ok.png",
+    ):
         err = await refused(f"http://127.0.0.1:{port}/to?{target}", limits)
         assert _is_refusal(err), (target, err)
     assert b.hits == []
@@ -185,8 +247,9 @@ async def test_redirect_checked_with_a_shared_client_too(srv):
     limits = MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})
     async with fetch_client(limits) as client:
         assert await load_media_bytes(f"http://127.0.0.1:{port}/ok.png", limits, client) == PNG
-        assert _is_refusal(await refused(f"http://127.0.0.1:{port}/to?http://127.0.0.2:{port_b}/ok.png",
-                                         limits, client))
+        assert _is_refusal(
+            await refused(f"http://127.0.0.1:{port}/to?http://127.0.0.2:{port_b}/ok.png", limits, client)
+        )
     assert b.hits == []
 
 
@@ -216,6 +279,7 @@ async def test_errors_do_not_echo_the_remote_answer(srv):
 # --------------------------------------------------------------------------- DNS: rebinding and slow resolvers
 # There is no DNS server to run here, so these tests replace the event loop's
 # resolver (the one lookup the guard makes) for the duration of the test.
+
 
 async def test_rebinding_name_cannot_slip_through(srv, monkeypatch):
     """A name that answers an allowed address first and an internal one after:
@@ -247,8 +311,10 @@ async def test_name_with_mixed_answers_is_refused(srv, monkeypatch):
     loop = asyncio.get_running_loop()
 
     async def mixed(host, port_, *args, **kwargs):
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port_)),
-                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port_))]
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port_)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", port_)),
+        ]
 
     monkeypatch.setattr(loop, "getaddrinfo", mixed)
     limits = MediaLimits(allowed_fetch_cidrs={"127.0.0.1/32"})

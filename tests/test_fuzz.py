@@ -10,17 +10,16 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pickle
 import struct
 import zlib
 
-import pickle
-
 import pytest
-from pydantic import ValidationError
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from PIL import Image
+from pydantic import ValidationError
 from vllm.exceptions import VLLMError
 from vllm.multimodal.media import ImageMediaIO
 
@@ -31,8 +30,9 @@ from pipeline.media.decode import decode_image
 from pipeline.media.fetch import load_media_bytes
 from pipeline.media.limits import MediaLimits
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                derandomize=True)  # reproducible in CI; new inputs come from editing strategies
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)  # reproducible in CI; new inputs come from editing strategies
 LIMITS = MediaLimits()
 VLLM_IO = ImageMediaIO()  # as `vllm serve` decodes images (RGB, white background)
 MAX_MESSAGE_CHARS = 2000  # errors must not echo megabytes of client input
@@ -69,10 +69,19 @@ def strings_of(value):
 
 # --------------------------------------------------------------------------- request schema
 
-json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2**63 - 2, max_value=2**70)
-                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**63 - 2, max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def maybe(valid: st.SearchStrategy) -> st.SearchStrategy:
@@ -85,29 +94,59 @@ def rarely(valid: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrateg
     return st.integers(0, 4).flatmap(lambda i: odd if i == 0 else valid)
 
 
-urls = rarely(st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "http://example.com/a.png"]),
-              st.one_of(st.just(""), st.just("   "), st.text(max_size=30), st.just(None)))
-uuids = rarely(st.one_of(st.none(), st.text(min_size=1, max_size=20)),
-               st.one_of(st.just(""), st.just(" "), st.just("u" * 600), st.integers(), st.booleans(),
-                         st.lists(st.text(max_size=3), max_size=2),
-                         st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-                         st.just("\ud800"), st.just("caf\u00e9")))
-texts = rarely(st.text(min_size=1, max_size=30),
-               st.sampled_from(["", "\ud800 lone surrogate", "a\udfff", "\x00", "\ufeff", "\U0001f600"]))
+urls = rarely(
+    st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "http://example.com/a.png"]),
+    st.one_of(st.just(""), st.just("   "), st.text(max_size=30), st.just(None)),
+)
+uuids = rarely(
+    st.one_of(st.none(), st.text(min_size=1, max_size=20)),
+    st.one_of(
+        st.just(""),
+        st.just(" "),
+        st.just("u" * 600),
+        st.integers(),
+        st.booleans(),
+        st.lists(st.text(max_size=3), max_size=2),
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+        st.just("\ud800"),
+        st.just("caf\u00e9"),
+    ),
+)
+texts = rarely(
+    st.text(min_size=1, max_size=30),
+    st.sampled_from(["", "\ud800 lone surrogate", "a\udfff", "\x00", "\ufeff", "\U0001f600"]),
+)
 
 image_part = st.fixed_dictionaries(
     {"type": st.just("image_url")},
-    optional={"image_url": maybe(st.fixed_dictionaries({}, optional={
-        "url": urls, "detail": rarely(st.sampled_from(["auto", "low", "high"]), st.sampled_from(["huge", None]))})),
-              "uuid": uuids})
+    optional={
+        "image_url": maybe(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "url": urls,
+                    "detail": rarely(st.sampled_from(["auto", "low", "high"]), st.sampled_from(["huge", None])),
+                },
+            )
+        ),
+        "uuid": uuids,
+    },
+)
 text_part = st.fixed_dictionaries({"type": st.just("text")}, optional={"text": maybe(texts)})
 other_part = st.fixed_dictionaries({"type": maybe(st.sampled_from(["input_audio", "video_url", "file", "", "TEXT"]))})
 parts = rarely(st.one_of(image_part, text_part), st.one_of(other_part, json_values))
 messages = st.fixed_dictionaries(
-    {"role": rarely(st.sampled_from(["user"] * 6 + ["system", "developer", "assistant"]),
-                    st.sampled_from(["tool", "User", ""]) | json_values)},
-    optional={"content": maybe(st.one_of(st.lists(parts, min_size=1, max_size=6), texts)),
-              "name": maybe(st.text(max_size=5))})
+    {
+        "role": rarely(
+            st.sampled_from(["user"] * 6 + ["system", "developer", "assistant"]),
+            st.sampled_from(["tool", "User", ""]) | json_values,
+        )
+    },
+    optional={
+        "content": maybe(st.one_of(st.lists(parts, min_size=1, max_size=6), texts)),
+        "name": maybe(st.text(max_size=5)),
+    },
+)
 bodies = st.fixed_dictionaries(
     {"messages": maybe(st.lists(messages, min_size=1, max_size=5))},
     optional={
@@ -122,22 +161,40 @@ bodies = st.fixed_dictionaries(
         "stop": maybe(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(max_size=5), max_size=6))),
         "n": rarely(st.just(1), st.integers(min_value=-2, max_value=3)),
         "unknown_extra": json_values,
-    })
+    },
+)
 
 
 # Bodies a well-behaved client could send (so the fuzz also reaches success paths:
 # image placement and counting, sampling options), mixed with the hostile ones.
 clean_parts = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.text(min_size=1, max_size=20)}),
-    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(st.none(), st.fixed_dictionaries(
-        {"url": st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "https://example.com/a.png"])}))},
-        optional={"uuid": st.text(min_size=1, max_size=20).filter(str.strip)}))
-clean_messages = st.fixed_dictionaries({"role": st.just("user"),
-                                        "content": st.lists(clean_parts, min_size=1, max_size=6)})
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": st.one_of(
+                st.none(),
+                st.fixed_dictionaries(
+                    {"url": st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "https://example.com/a.png"])}
+                ),
+            ),
+        },
+        optional={"uuid": st.text(min_size=1, max_size=20).filter(str.strip)},
+    ),
+)
+clean_messages = st.fixed_dictionaries(
+    {"role": st.just("user"), "content": st.lists(clean_parts, min_size=1, max_size=6)}
+)
 clean_bodies = st.fixed_dictionaries(
     {"messages": st.lists(clean_messages, min_size=1, max_size=4)},
-    optional={"stream": st.booleans(), "max_tokens": st.integers(1, 4096), "temperature": st.floats(0, 2),
-              "seed": st.integers(0, 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4)})
+    optional={
+        "stream": st.booleans(),
+        "max_tokens": st.integers(1, 4096),
+        "temperature": st.floats(0, 2),
+        "seed": st.integers(0, 2**63 - 1),
+        "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    },
+)
 bodies = st.one_of(clean_bodies, bodies)
 
 
@@ -152,7 +209,11 @@ def check_parse(body, max_images: int = 4):
     except ValidationError:
         note("400 vLLM's validation")
         return None
-    except (ValueError, TypeError, VLLMError):  # vLLM's own validators past pydantic: its 400 as `vllm serve` answers it
+    except (
+        ValueError,
+        TypeError,
+        VLLMError,
+    ):  # vLLM's own validators past pydantic: its 400 as `vllm serve` answers it
         note("400 vLLM's validator")
         return None
     except IrisError as err:
@@ -179,8 +240,7 @@ def test_fuzz_chat_request_any_json(body):
 
 
 @FUZZ
-@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
-       | bodies.map(lambda b: json.dumps(b).encode()))
+@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode) | bodies.map(lambda b: json.dumps(b).encode()))
 def test_fuzz_body_bytes_to_chat(raw):
     """The ingress's path from raw bytes: parse_json_body then parse_request."""
     try:
@@ -198,29 +258,36 @@ def _user(*content) -> dict:
 IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": [_user({"type": "text", "text": "x"})] * 20_000},                       # many messages
-    {"messages": [_user(*([{"type": "text", "text": "x"}] * 50_000))]},                  # many parts
-    {"messages": [_user(*([IMG] * 10_000))]},                                             # many images
-    {"messages": [_user(*([{"type": "image_url", "image_url": None, "uuid": str(i)} for i in range(5000)]))]},
-    {"messages": [{"role": "user", "content": "x" * 5_000_000}]},                          # one huge text
-    {"messages": [_user({"type": "image_url", "image_url": {"url": "data:," + "A" * 5_000_000}, "uuid": 7})]},
-    {"messages": [_user({"type": "image_url", "uuid": {"$ne": None}})]},                  # non-string uuids
-    {"messages": [_user({"type": "image_url", "uuid": ["a"]})]},
-    {"messages": [_user({"type": "image_url", "uuid": 12345678901234567890})]},
-    {"messages": [_user({"type": "image_url", "uuid": True})]},
-    {"messages": [_user({"type": "image_url", "uuid": "\ud800"})]},                       # lone surrogate
-    {"messages": [_user({"type": "text", "text": "a\udfffb"})]},
-    {"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]},
-    {"messages": [{"role": "user", "content": "hi"}], "model": "\udc00"},
-    {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]},
-    {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64},                     # huge numbers
-    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30},
-    {"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")},
-    {"messages": [{"role": "user", "content": "hi"}], "temperature": float("inf")},
-    {"messages": {"role": "user", "content": "hi"}},                                      # wrong types
-    {"messages": "hi"}, {"messages": None}, {}, {"messages": [[]]}, {"messages": [None]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [_user({"type": "text", "text": "x"})] * 20_000},  # many messages
+        {"messages": [_user(*([{"type": "text", "text": "x"}] * 50_000))]},  # many parts
+        {"messages": [_user(*([IMG] * 10_000))]},  # many images
+        {"messages": [_user(*([{"type": "image_url", "image_url": None, "uuid": str(i)} for i in range(5000)]))]},
+        {"messages": [{"role": "user", "content": "x" * 5_000_000}]},  # one huge text
+        {"messages": [_user({"type": "image_url", "image_url": {"url": "data:," + "A" * 5_000_000}, "uuid": 7})]},
+        {"messages": [_user({"type": "image_url", "uuid": {"$ne": None}})]},  # non-string uuids
+        {"messages": [_user({"type": "image_url", "uuid": ["a"]})]},
+        {"messages": [_user({"type": "image_url", "uuid": 12345678901234567890})]},
+        {"messages": [_user({"type": "image_url", "uuid": True})]},
+        {"messages": [_user({"type": "image_url", "uuid": "\ud800"})]},  # lone surrogate
+        {"messages": [_user({"type": "text", "text": "a\udfffb"})]},
+        {"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]},
+        {"messages": [{"role": "user", "content": "hi"}], "model": "\udc00"},
+        {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64},  # huge numbers
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30},
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")},
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": float("inf")},
+        {"messages": {"role": "user", "content": "hi"}},  # wrong types
+        {"messages": "hi"},
+        {"messages": None},
+        {},
+        {"messages": [[]]},
+        {"messages": [None]},
+    ],
+)
 def test_hostile_chat_bodies(body):
     check_parse(body)
 
@@ -233,6 +300,7 @@ def test_huge_image_count_error_names_first_extra_image_only():
 
 # --------------------------------------------------------------------------- image bytes
 
+
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:
     buf = io.BytesIO()
     img.save(buf, fmt, **kw)
@@ -241,7 +309,9 @@ def encode(img: Image.Image, fmt: str, **kw) -> bytes:
 
 def gradient(size=(24, 16)) -> Image.Image:
     w, h = size
-    return Image.frombytes("RGB", size, bytes((x * 10 + y * 3) % 256 for y in range(h) for x in range(w) for _ in range(3)))
+    return Image.frombytes(
+        "RGB", size, bytes((x * 10 + y * 3) % 256 for y in range(h) for x in range(w) for _ in range(3))
+    )
 
 
 SEEDS = {
@@ -295,9 +365,14 @@ MODES = ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "I;16", "I", "F", "YC
 
 
 @FUZZ
-@given(st.sampled_from(["PNG", "JPEG", "GIF", "WEBP", "BMP"]), st.sampled_from(MODES),
-       st.integers(min_value=1, max_value=40), st.integers(min_value=1, max_value=40),
-       st.integers(min_value=1, max_value=8), st.booleans())
+@given(
+    st.sampled_from(["PNG", "JPEG", "GIF", "WEBP", "BMP"]),
+    st.sampled_from(MODES),
+    st.integers(min_value=1, max_value=40),
+    st.integers(min_value=1, max_value=40),
+    st.integers(min_value=1, max_value=8),
+    st.booleans(),
+)
 def test_fuzz_valid_images_every_mode_and_orientation(fmt, mode, w, h, orientation, transparency):
     try:
         img = gradient((w, h)).convert(mode)
@@ -326,8 +401,10 @@ def test_fuzz_valid_images_every_mode_and_orientation(fmt, mode, w, h, orientati
 
 def png_with_header(width: int, height: int, bit_depth=8, color_type=2) -> bytes:
     """A tiny PNG whose valid IHDR claims any size (the pixel data is one empty chunk)."""
+
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
     ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, color_type, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
@@ -336,7 +413,7 @@ def gif_with_screen(width: int, height: int) -> bytes:
     data = bytearray(encode(Image.new("P", (1, 1)), "GIF"))
     data[6:10] = struct.pack("<HH", width, height)  # logical screen
     i = data.index(b",")  # image descriptor
-    data[i + 5:i + 9] = struct.pack("<HH", width, height)
+    data[i + 5 : i + 9] = struct.pack("<HH", width, height)
     return bytes(data)
 
 
@@ -349,19 +426,47 @@ def bmp_with_size(width: int, height: int) -> bytes:
 def jpeg_with_size(width: int, height: int) -> bytes:
     data = bytearray(encode(Image.new("RGB", (8, 8)), "JPEG"))
     i = data.index(b"\xff\xc0")  # SOF0: length(2) precision(1) height(2) width(2)
-    data[i + 5:i + 9] = struct.pack(">HH", height, width)
+    data[i + 5 : i + 9] = struct.pack(">HH", height, width)
     return bytes(data)
 
 
-@pytest.mark.parametrize("data", [
-    png_with_header(100_000, 100_000), png_with_header(2**31 - 1, 1), png_with_header(10_000, 5_000),
-    png_with_header(7_000, 5_000), png_with_header(0, 0), png_with_header(0, 10), png_with_header(1, 1, 16, 0),
-    gif_with_screen(65_535, 65_535), gif_with_screen(0, 0),
-    bmp_with_size(100_000, 100_000), bmp_with_size(30_000, -30_000), bmp_with_size(0, 1), bmp_with_size(-1, -1),
-    jpeg_with_size(65_500, 65_500), jpeg_with_size(0, 0),
-], ids=["png-100k", "png-2^31", "png-50M", "png-35M", "png-0x0", "png-0x10", "png-16bit-1x1",
-        "gif-65535", "gif-0x0", "bmp-100k", "bmp-topdown-900M", "bmp-0x1", "bmp-negative",
-        "jpeg-65500", "jpeg-0x0"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        png_with_header(100_000, 100_000),
+        png_with_header(2**31 - 1, 1),
+        png_with_header(10_000, 5_000),
+        png_with_header(7_000, 5_000),
+        png_with_header(0, 0),
+        png_with_header(0, 10),
+        png_with_header(1, 1, 16, 0),
+        gif_with_screen(65_535, 65_535),
+        gif_with_screen(0, 0),
+        bmp_with_size(100_000, 100_000),
+        bmp_with_size(30_000, -30_000),
+        bmp_with_size(0, 1),
+        bmp_with_size(-1, -1),
+        jpeg_with_size(65_500, 65_500),
+        jpeg_with_size(0, 0),
+    ],
+    ids=[
+        "png-100k",
+        "png-2^31",
+        "png-50M",
+        "png-35M",
+        "png-0x0",
+        "png-0x10",
+        "png-16bit-1x1",
+        "gif-65535",
+        "gif-0x0",
+        "bmp-100k",
+        "bmp-topdown-900M",
+        "bmp-0x1",
+        "bmp-negative",
+        "jpeg-65500",
+        "jpeg-0x0",
+    ],
+)
 def test_huge_or_zero_dimensions_in_tiny_files(data):
     assert len(data) < 2000
     check_decode(data)
@@ -399,6 +504,7 @@ def test_exif_rotation_gives_upright_pixels():
 
 # --------------------------------------------------------------------------- data: URLs
 
+
 async def check_load(url) -> bytes | None:
     try:
         data = await load_media_bytes(url, LIMITS)
@@ -409,14 +515,31 @@ async def check_load(url) -> bytes | None:
     return data
 
 
-media_types = st.sampled_from(["image/png", "image/jpeg", "IMAGE/PNG", "text/plain", "application/json", "",
-                               "image/svg+xml", "application/octet-stream", "image", "image/png;charset=utf-8",
-                               "text/html;base64", " image/png "])
+media_types = st.sampled_from(
+    [
+        "image/png",
+        "image/jpeg",
+        "IMAGE/PNG",
+        "text/plain",
+        "application/json",
+        "",
+        "image/svg+xml",
+        "application/octet-stream",
+        "image",
+        "image/png;charset=utf-8",
+        "text/html;base64",
+        " image/png ",
+    ]
+)
 
 
 @FUZZ
-@given(media_types, st.sampled_from([";base64", "", ";BASE64", ";base64;x=y", ";charset=utf-8"]),
-       st.sampled_from(sorted(SEEDS)) | st.binary(max_size=64), st.integers(min_value=0, max_value=3))
+@given(
+    media_types,
+    st.sampled_from([";base64", "", ";BASE64", ";base64;x=y", ";charset=utf-8"]),
+    st.sampled_from(sorted(SEEDS)) | st.binary(max_size=64),
+    st.integers(min_value=0, max_value=3),
+)
 @example("image/png", ";base64", "png", 0)
 async def test_fuzz_data_urls(media_type, options, payload, damage):
     raw = SEEDS[payload] if isinstance(payload, str) else payload
@@ -435,18 +558,21 @@ async def test_fuzz_arbitrary_image_url_strings(url):
     await check_load(url)
 
 
-@pytest.mark.parametrize("url", [
-    "data:text/plain;base64," + base64.b64encode(SEEDS["png"]).decode(),   # wrong content type
-    "data:image/svg+xml;base64," + base64.b64encode(b"<svg xmlns='http://www.w3.org/2000/svg'/>").decode(),
-    "data:image/jpeg;base64," + base64.b64encode(SEEDS["png"]).decode(),   # mislabeled: bytes decide
-    "data:image/png;base64,",                                              # zero-size
-    "data:image/png;base64," + "A" * (30 * 1024 * 1024),                   # over max_image_bytes
-    "data:image/png," + "%89PNG",                                          # not base64
-    "data:;base64," + base64.b64encode(SEEDS["gif"]).decode(),              # no media type
-    "data:image/png;base64," + base64.b64encode(SEEDS["png"]).decode() + "\x00",
-    "data:image/png;base64,\u00e9\u00e9\u00e9\u00e9",
-    "data:image/png;base64,\ud800\ud800\ud800\ud800",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "data:text/plain;base64," + base64.b64encode(SEEDS["png"]).decode(),  # wrong content type
+        "data:image/svg+xml;base64," + base64.b64encode(b"<svg xmlns='http://www.w3.org/2000/svg'/>").decode(),
+        "data:image/jpeg;base64," + base64.b64encode(SEEDS["png"]).decode(),  # mislabeled: bytes decide
+        "data:image/png;base64,",  # zero-size
+        "data:image/png;base64," + "A" * (30 * 1024 * 1024),  # over max_image_bytes
+        "data:image/png," + "%89PNG",  # not base64
+        "data:;base64," + base64.b64encode(SEEDS["gif"]).decode(),  # no media type
+        "data:image/png;base64," + base64.b64encode(SEEDS["png"]).decode() + "\x00",
+        "data:image/png;base64,\u00e9\u00e9\u00e9\u00e9",
+        "data:image/png;base64,\ud800\ud800\ud800\ud800",
+    ],
+)
 async def test_hostile_data_urls(url):
     data = await check_load(url)
     if data is not None:

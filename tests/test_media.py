@@ -290,7 +290,6 @@ def test_vision_model_decodes_with_its_media_io_kwargs(tiny_checkpoint):
     assert vision.load_image(encode(src, "PNG")).getpixel((2, 2)) == (0, 0, 0)
 
 
-
 # --------------------------------------------------------------------------- http(s)
 
 
@@ -426,7 +425,10 @@ async def test_http_too_large_stops_early(server, client):
 async def test_http_slow_server_times_out(server, client):
     t0 = time.monotonic()
     err = await expect_error(
-        load_media_bytes(f"{server}/slow", MediaLimits(fetch_timeout_s=0.5, allowed_fetch_cidrs={"127.0.0.0/8"}), client), "image_fetch_failed"
+        load_media_bytes(
+            f"{server}/slow", MediaLimits(fetch_timeout_s=0.5, allowed_fetch_cidrs={"127.0.0.0/8"}), client
+        ),
+        "image_fetch_failed",
     )
     assert time.monotonic() - t0 < 2.0
     assert "timed out" in err.message

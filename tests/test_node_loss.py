@@ -42,8 +42,12 @@ FAILURE_CODES = {"replica_unavailable": 503, "features_unavailable": 503, "timeo
 
 PREPROCESS_NODE = "iris_preprocess_node"
 PREPROCESS_NODE_ARGS = {"num_cpus": 2, "resources": {PREPROCESS_NODE: 1000}, "object_store_memory": 256 << 20}
-PLACEMENT = {"Ingress": CPU_NODE, "Preprocess": PREPROCESS_NODE, "VisionEncoder": ACCELERATOR_NODE,
-             "LLMDecode": ACCELERATOR_NODE}
+PLACEMENT = {
+    "Ingress": CPU_NODE,
+    "Preprocess": PREPROCESS_NODE,
+    "VisionEncoder": ACCELERATOR_NODE,
+    "LLMDecode": ACCELERATOR_NODE,
+}
 
 
 def _alive_node_id(resource: str) -> str | None:
@@ -72,13 +76,19 @@ def preprocess_node(ray_cluster):
 def node_loss_app(iris_apps, tiny_checkpoint, preprocess_node):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     args = config.pop("args")
-    args.update(model=tiny_checkpoint("llava"), served_model_name=MODEL, request_timeout_s=TIMEOUT_S,
-                engine_args={"max_model_len": 2048, "enforce_eager": True})
+    args.update(
+        model=tiny_checkpoint("llava"),
+        served_model_name=MODEL,
+        request_timeout_s=TIMEOUT_S,
+        engine_args={"max_model_len": 2048, "enforce_eager": True},
+    )
     for deployment in config["deployments"]:
         del deployment["autoscaling_config"]
         deployment["num_replicas"] = 1
-        deployment["ray_actor_options"] = {**deployment.get("ray_actor_options", {}),
-                                           "resources": {PLACEMENT[deployment["name"]]: 1}}
+        deployment["ray_actor_options"] = {
+            **deployment.get("ray_actor_options", {}),
+            "resources": {PLACEMENT[deployment["name"]]: 1},
+        }
     with iris_apps.use(APP, args, route_prefix="/node-loss", config=config) as app:
         yield app.url
 
@@ -111,8 +121,13 @@ def _body(kind: str) -> dict:
     content = [{"type": "text", "text": "What is in this picture?"}]
     if kind.startswith("image"):
         content.insert(0, {"type": "image_url", "image_url": {"url": data_url(unique_png(size=(96, 96)))}})
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
-            "temperature": 0, "stream": kind.endswith("stream")}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": kind.endswith("stream"),
+    }
 
 
 async def _request(client: httpx.AsyncClient, base: str, kind: str) -> Outcome:
@@ -166,6 +181,7 @@ async def _load(base: str, stop: threading.Event, outcomes: list[Outcome]) -> No
     kinds = ["image", "image-stream", "text-stream"]
     # A client-side bound well past the deadline: a request that hangs shows as a problem.
     async with httpx.AsyncClient(timeout=TIMEOUT_S + 20) as client:
+
         async def client_loop(i: int):
             n = i
             while not stop.is_set():
@@ -183,8 +199,9 @@ async def _probe(base: str) -> Outcome:
         return await _request(client, base, "image")
 
 
-def _lose_node(cluster, dashboard: str, base: str, resource: str, node_args: dict,
-               deployments: list[str]) -> tuple[list[Outcome], dict]:
+def _lose_node(
+    cluster, dashboard: str, base: str, resource: str, node_args: dict, deployments: list[str]
+) -> tuple[list[Outcome], dict]:
     """Kills the node with `resource` under load, adds its replacement, and waits until served again.
     The load runs in a thread of its own: Ray adds and removes nodes from the main thread only."""
     victim = _cluster_node(cluster, resource)
@@ -220,8 +237,11 @@ def _lose_node(cluster, dashboard: str, base: str, resource: str, node_args: dic
         if _alive_node_id(resource) is None:  # the test failed before its replacement came
             cluster.add_node(**node_args)
     assert not load.is_alive(), "the load's requests ended"
-    times = {"node_added_s": marks["node_added"] - marks["kill"], "healthy_s": marks["healthy"] - marks["kill"],
-             "recovered_s": marks["answered"] - marks["kill"]}
+    times = {
+        "node_added_s": marks["node_added"] - marks["kill"],
+        "healthy_s": marks["healthy"] - marks["kill"],
+        "recovered_s": marks["answered"] - marks["kill"],
+    }
     return outcomes, {**marks, "times": times}
 
 
@@ -230,9 +250,13 @@ def _report(case: str, outcomes: list[Outcome], marks: dict, record_property) ->
     for o in outcomes:
         key = "200" if o.ok else str(o.failure_status or o.problem[:40]) + (" in-band" if o.status == 200 else "")
         counts[key] = counts.get(key, 0) + 1
-    summary = {"case": case, "requests": len(outcomes), "outcomes": counts,
-               "max_elapsed_s": round(max(o.elapsed for o in outcomes), 2),
-               **{k: round(v, 1) for k, v in marks["times"].items()}}
+    summary = {
+        "case": case,
+        "requests": len(outcomes),
+        "outcomes": counts,
+        "max_elapsed_s": round(max(o.elapsed for o in outcomes), 2),
+        **{k: round(v, 1) for k, v in marks["times"].items()},
+    }
     print(f"node loss: {json.dumps(summary)}")
     record_property("node_loss", json.dumps(summary))  # in the JUnit XML (pytest --junitxml)
     return summary
@@ -251,15 +275,22 @@ def _check(outcomes: list[Outcome], marks: dict) -> None:
 
 def test_losing_the_accelerator_node(ray_cluster, ray_dashboard, node_loss_app, record_property):
     """The node of the VisionEncoder and LLMDecode replicas (on a GPU cluster: the GPU node)."""
-    outcomes, marks = _lose_node(ray_cluster, ray_dashboard, node_loss_app, ACCELERATOR_NODE,
-                                             ACCELERATOR_NODE_ARGS, ["VisionEncoder", "LLMDecode"])
+    outcomes, marks = _lose_node(
+        ray_cluster,
+        ray_dashboard,
+        node_loss_app,
+        ACCELERATOR_NODE,
+        ACCELERATOR_NODE_ARGS,
+        ["VisionEncoder", "LLMDecode"],
+    )
     _report("accelerator node", outcomes, marks, record_property)
     _check(outcomes, marks)
 
 
 def test_losing_the_preprocess_node(ray_cluster, ray_dashboard, node_loss_app, record_property):
     """The node of the Preprocess replica (on a GPU cluster: a CPU node)."""
-    outcomes, marks = _lose_node(ray_cluster, ray_dashboard, node_loss_app, PREPROCESS_NODE,
-                                             PREPROCESS_NODE_ARGS, ["Preprocess"])
+    outcomes, marks = _lose_node(
+        ray_cluster, ray_dashboard, node_loss_app, PREPROCESS_NODE, PREPROCESS_NODE_ARGS, ["Preprocess"]
+    )
     _report("preprocess node", outcomes, marks, record_property)
     _check(outcomes, marks)

@@ -42,8 +42,11 @@ TIMEOUT_S = 600
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 # setting -> (family, vLLM's parallel settings): LLaVA's features go in as embeddings, Idefics3's through
 # Iris's EC connector (whose scheduler side hands them to every rank in the step's metadata).
-PARALLEL = {"tp2": ("llava", TP2), "tp2-connector": ("idefics3", TP2),
-            "pp2": ("llava", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"})}
+PARALLEL = {
+    "tp2": ("llava", TP2),
+    "tp2-connector": ("idefics3", TP2),
+    "pp2": ("llava", {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}),
+}
 # vLLM 0.32's CPU backend fails pipeline parallelism on the first request: its scheduler finds no
 # output for the request (vllm/v1/core/sched/scheduler.py, update_from_output,
 # `model_runner_output.req_id_to_index[req_id]` -> KeyError), from step_with_batch_queue.
@@ -51,10 +54,18 @@ PP_FAILURE = "req_id_to_index[req_id]"
 
 
 def _engine(checkpoint: str, dtype: str, parallel: dict) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": rank_binds(list(os.sched_getaffinity(0)), 2)}  # as LLMDecode sets it
-    run = subprocess.run([sys.executable, "-m", "tests.support.family_engine", checkpoint, dtype,
-                          json.dumps(parallel)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": rank_binds(list(os.sched_getaffinity(0)), 2),
+    }  # as LLMDecode sets it
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.support.family_engine", checkpoint, dtype, json.dumps(parallel)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     # The JSON line; vLLM's workers log to stdout as they shut down.
     return json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
@@ -99,7 +110,7 @@ def test_iris_features_give_the_engines_tokens_over_two_ranks(engines, setting, 
 @pytest.mark.parametrize("setting", ["tp2", "tp2-connector"])
 def test_the_chat_route_answers_as_the_engine_over_two_ranks(engines, setting):
     result = engines(setting)
-    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][:len(result["chat"])], setting
+    assert result["chat"] == result["cases"]["one image"]["engine"]["tokens"][: len(result["chat"])], setting
 
 
 def test_pipeline_parallelism_still_fails_in_vllms_cpu_scheduler(engines):
@@ -111,16 +122,24 @@ def test_pipeline_parallelism_still_fails_in_vllms_cpu_scheduler(engines):
 
 @pytest.fixture(scope="module")
 def tp2_app(iris_apps, tiny_checkpoint):
-    args = {"model": tiny_checkpoint("llava"), "served_model_name": "tp2", "dtype": "float32",
-            "engine_args": {"max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2},
-            "decode_placement": {"device": "CPU"}}
+    args = {
+        "model": tiny_checkpoint("llava"),
+        "served_model_name": "tp2",
+        "dtype": "float32",
+        "engine_args": {"max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2},
+        "decode_placement": {"device": "CPU"},
+    }
     with iris_apps.use("tp2", args) as app:
         yield app
 
 
 def _chat(app, part: dict) -> dict:
-    body = {"model": "tp2", "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}]}
+    body = {
+        "model": "tp2",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+    }
     r = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -137,6 +156,9 @@ def test_a_tp2_decode_replica_answers_as_vllm_at_tp2(tp2_app, engines):
     for reply in (first, again):
         assert reply["choices"][0]["message"]["content"] == engines("tp2")["chat_text"]
         assert reply["usage"]["completion_tokens"] == len(engines("tp2")["chat"])
-    groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"
-              and g["bundles"] and list(g["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]]
+    groups = [
+        g
+        for g in placement_group_table().values()
+        if g["state"] == "CREATED" and g["bundles"] and list(g["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]
+    ]
     assert groups and all(g["strategy"] == "STRICT_PACK" for g in groups), placement_group_table()

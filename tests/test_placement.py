@@ -30,7 +30,8 @@ def test_tp2_on_gpu_nodes_one_gpu_bundle_per_rank_the_replica_with_rank_0():
     assert placement.serve_options() == {
         "placement_group_bundles": [{"GPU": 1, "CPU": 1}, {"GPU": 1}],
         "placement_group_strategy": "PACK",
-        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0},
+    }
 
 
 def test_tp4_pp2_eight_gpu_bundles_spread_for_pipeline_stages():
@@ -45,15 +46,19 @@ def test_tp4_pp2_eight_gpu_bundles_spread_for_pipeline_stages():
 def test_own_bundle_per_rank_and_replica_cpus():
     config = DecodePlacement(replica_cpus=2, bundle_per_rank={"GPU": 1, "CPU": 4, "accelerator_type:H100": 0.001})
     bundles = plan({"tensor_parallel_size": 2}, config).bundles
-    assert bundles == [{"GPU": 1, "CPU": 6, "accelerator_type:H100": 0.001},
-                       {"GPU": 1, "CPU": 4, "accelerator_type:H100": 0.001}]
+    assert bundles == [
+        {"GPU": 1, "CPU": 6, "accelerator_type:H100": 0.001},
+        {"GPU": 1, "CPU": 4, "accelerator_type:H100": 0.001},
+    ]
 
 
 def test_multiprocessing_executor_on_gpu_the_replica_holds_every_gpu():
     placement = plan({"tensor_parallel_size": 4, "distributed_executor_backend": "mp"}, GPU)
-    assert placement.serve_options() == {"placement_group_bundles": [{"CPU": 1, "GPU": 4.0}],
-                                         "placement_group_strategy": "STRICT_PACK",
-                                         "ray_actor_options": {"num_cpus": 1, "num_gpus": 4.0}}
+    assert placement.serve_options() == {
+        "placement_group_bundles": [{"CPU": 1, "GPU": 4.0}],
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 4.0},
+    }
     with pytest.raises(ValueError, match="spreading ranks needs the Ray executor"):
         plan({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}, DecodePlacement(strategy="SPREAD"))
 
@@ -61,22 +66,29 @@ def test_multiprocessing_executor_on_gpu_the_replica_holds_every_gpu():
 def test_cpu_nodes_one_cpu_per_rank_on_the_replica_node():
     placement = plan({"tensor_parallel_size": 2}, CPU)
     assert placement.engine_flags() == {"distributed_executor_backend": "mp"}
-    assert placement.serve_options() == {"placement_group_bundles": [{"CPU": 2}, {"CPU": 1}],
-                                         "placement_group_strategy": "STRICT_PACK",
-                                         "ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}
+    assert placement.serve_options() == {
+        "placement_group_bundles": [{"CPU": 2}, {"CPU": 1}],
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0},
+    }
     assert plan({"pipeline_parallel_size": 2}, DecodePlacement(device="CPU", cpus_per_rank=0.5)).bundles == [
-        {"CPU": 1.5}, {"CPU": 0.5}]
+        {"CPU": 1.5},
+        {"CPU": 0.5},
+    ]
 
 
-@pytest.mark.parametrize(("engine_args", "config", "refusal"), [
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, CPU, "does not support ray"),
-    ({"pipeline_parallel_size": 2}, DecodePlacement(device="CPU", strategy="SPREAD"), "must be STRICT_PACK"),
-    ({"tensor_parallel_size": 2}, DecodePlacement(strategy="STRICT_SPREAD"), "a node of its own"),
-    ({"tensor_parallel_size": 2}, DecodePlacement(bundle_per_rank={"GPU": 2}), "at most one GPU"),
-    ({"tensor_parallel_size": 2}, DecodePlacement(bundle_per_rank={"CPU": 4}), "at most one GPU"),
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, GPU, "Ray executor"),
-    ({"data_parallel_size": 2}, GPU, "by replicas"),
-])
+@pytest.mark.parametrize(
+    ("engine_args", "config", "refusal"),
+    [
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, CPU, "does not support ray"),
+        ({"pipeline_parallel_size": 2}, DecodePlacement(device="CPU", strategy="SPREAD"), "must be STRICT_PACK"),
+        ({"tensor_parallel_size": 2}, DecodePlacement(strategy="STRICT_SPREAD"), "a node of its own"),
+        ({"tensor_parallel_size": 2}, DecodePlacement(bundle_per_rank={"GPU": 2}), "at most one GPU"),
+        ({"tensor_parallel_size": 2}, DecodePlacement(bundle_per_rank={"CPU": 4}), "at most one GPU"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, GPU, "Ray executor"),
+        ({"data_parallel_size": 2}, GPU, "by replicas"),
+    ],
+)
 def test_settings_no_placement_runs_are_refused(engine_args, config, refusal):
     with pytest.raises(ValueError, match=refusal):
         plan(engine_args, config)
@@ -89,18 +101,22 @@ def test_strict_spread_for_pipeline_stages_alone():
 
 def test_iris_config_refuses_at_build_time_and_names_the_field():
     with pytest.raises(ValueError, match="STRICT_PACK"):
-        IrisConfig.model_validate({"engine_args": {"tensor_parallel_size": 2},
-                                   "decode_placement": {"device": "CPU", "strategy": "PACK"}})
+        IrisConfig.model_validate(
+            {"engine_args": {"tensor_parallel_size": 2}, "decode_placement": {"device": "CPU", "strategy": "PACK"}}
+        )
     assert IrisConfig.model_validate({"engine_args": {"tensor_parallel_size": 2}}).decode_ranks().world_size == 2
 
 
-@pytest.mark.parametrize(("bundles", "problem"), [
-    (None, "needs a placement group"),
-    ([{"CPU": 1}, {"GPU": 1}], "holds 1 bundles with a GPU for 2 vLLM ranks"),
-    ([{"CPU": 1, "GPU": 2}], "more than one GPU"),
-    ([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], None),  # the replica's own bundle first: vLLM skips it
-    ([{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}], None),  # more GPU bundles than ranks: the first two
-])
+@pytest.mark.parametrize(
+    ("bundles", "problem"),
+    [
+        (None, "needs a placement group"),
+        ([{"CPU": 1}, {"GPU": 1}], "holds 1 bundles with a GPU for 2 vLLM ranks"),
+        ([{"CPU": 1, "GPU": 2}], "more than one GPU"),
+        ([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], None),  # the replica's own bundle first: vLLM skips it
+        ([{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}], None),  # more GPU bundles than ranks: the first two
+    ],
+)
 def test_a_users_own_gpu_group_is_respected_or_refused(bundles, problem):
     placement = plan({"tensor_parallel_size": 2}, GPU)
     found = group_problem(placement, bundles)
@@ -133,15 +149,23 @@ def test_builder_options_are_what_serve_accepts():
     (the replica actor within the first bundle, a known strategy), and a serve config that spells them."""
     from deployments.decode import LLMDecode
 
-    for engine_args, config in [({"tensor_parallel_size": 2}, GPU), ({"tensor_parallel_size": 2}, CPU),
-                                ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, GPU),
-                                ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, GPU)]:
+    for engine_args, config in [
+        ({"tensor_parallel_size": 2}, GPU),
+        ({"tensor_parallel_size": 2}, CPU),
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, GPU),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, GPU),
+    ]:
         options = plan(engine_args, config).serve_options()
         LLMDecode.options(**options)
     with pytest.raises(ValueError, match="first bundle"):  # what Serve itself refuses
         LLMDecode.options(ray_actor_options={"num_cpus": 4}, placement_group_bundles=[{"CPU": 1}])
-    schema = {"applications": [{"name": "iris", "import_path": "deployments.app:build_app",
-                                "deployments": [{"name": "LLMDecode", **plan({"tensor_parallel_size": 2}, GPU)
-                                                 .serve_options()}]}]}
+    schema = {
+        "applications": [
+            {
+                "name": "iris",
+                "import_path": "deployments.app:build_app",
+                "deployments": [{"name": "LLMDecode", **plan({"tensor_parallel_size": 2}, GPU).serve_options()}],
+            }
+        ]
+    }
     ServeDeploySchema.model_validate(yaml.safe_load(yaml.safe_dump(schema)))
-

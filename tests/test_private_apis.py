@@ -40,8 +40,9 @@ def _prom_metrics():
     from prometheus_client import Counter, Gauge, Histogram
 
     owner = resolve("vllm.distributed.ec_transfer.ec_connector.metrics.ECConnectorPromMetrics")
-    return owner(SimpleNamespace(ec_transfer_config=None), {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
-                 [], {})
+    return owner(
+        SimpleNamespace(ec_transfer_config=None), {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, [], {}
+    )
 
 
 def _transport():
@@ -104,7 +105,8 @@ def test_every_entry_names_a_pinned_package():
 def test_installed_version_is_the_one_checked(package):
     assert _installed(package) == PINNED[package], (
         f"{package} {_installed(package)} is installed, the private names in scripts/private_apis.py were "
-        f"checked on {PINNED[package]}: re-check them on the new version, then update PINNED")
+        f"checked on {PINNED[package]}: re-check them on the new version, then update PINNED"
+    )
 
 
 @pytest.mark.parametrize("lock", sorted((ROOT / "requirements").glob("*.txt")), ids=lambda p: p.name)
@@ -113,8 +115,10 @@ def test_locks_pin_the_checked_versions(lock):
     for package, version in PINNED.items():
         locked = pins.get(package) or pins.get(f"{package}-cpu")
         if locked is not None:
-            assert locked == version, (f"{lock.name} locks {package}=={locked}, scripts/private_apis.py was "
-                                       f"checked on {version}: re-check the list, then update PINNED")
+            assert locked == version, (
+                f"{lock.name} locks {package}=={locked}, scripts/private_apis.py was "
+                f"checked on {version}: re-check the list, then update PINNED"
+            )
     if lock.name in ("cpu.txt", "cuda.txt", "cuda-prod.txt"):
         assert all(pins.get(p) or pins.get(f"{p}-cpu") for p in PINNED), f"{lock.name} lacks one of {sorted(PINNED)}"
 
@@ -131,8 +135,10 @@ def uses():
 
 def test_no_private_name_is_touched_unlisted(uses):
     missing = private_apis.unlisted(uses)
-    assert not missing, ("private names of other projects not in scripts/private_apis.py (add them, with why): "
-                         + "; ".join(f"{token} in {', '.join(sorted(files))}" for token, files in sorted(missing.items())))
+    assert not missing, (
+        "private names of other projects not in scripts/private_apis.py (add them, with why): "
+        + "; ".join(f"{token} in {', '.join(sorted(files))}" for token, files in sorted(missing.items()))
+    )
 
 
 @pytest.mark.parametrize("entry", PRIVATE_APIS, ids=lambda e: e.dotted)
@@ -140,10 +146,11 @@ def test_each_listed_name_is_used_where_listed(entry, uses):
     found = private_apis.used_in(entry, uses)
     assert found == set(entry.used_in), (
         f"{entry.dotted}: scripts/private_apis.py says {sorted(entry.used_in)}, the code {sorted(found)}"
-        + (" (no longer used: remove it)" if not found else ""))
+        + (" (no longer used: remove it)" if not found else "")
+    )
 
 
-PRODUCT_SOURCE = '''
+PRODUCT_SOURCE = """
 import ray
 import httpx
 from ray.serve._private.common import RequestMetadata
@@ -166,22 +173,35 @@ class Mine(SomeBase):
         _own_helper()
         env = {"RAY_SERVE_SOME_KNOB": "1"}
         patched = "vllm.envs._secret"
-'''
+"""
 
 
 def test_the_scan_sees_each_way_of_reaching_a_private():
     own = private_apis.own_names() | {"_mine"}
     assert private_apis.scan_file("deployments/x.py", PRODUCT_SOURCE, own) == {
-        "ray.serve._private.common.RequestMetadata", "vllm.x.registry._TABLE", "vllm._custom_ops",
-        "._inherited", "vllm.x.registry.ModelRegistry._try_it", "ray._private.worker.global_worker.node",
-        "._to_object_ref", "._pool", "._deployment_config", "RAY_SERVE_SOME_KNOB", "vllm.envs._secret"}
+        "ray.serve._private.common.RequestMetadata",
+        "vllm.x.registry._TABLE",
+        "vllm._custom_ops",
+        "._inherited",
+        "vllm.x.registry.ModelRegistry._try_it",
+        "ray._private.worker.global_worker.node",
+        "._to_object_ref",
+        "._pool",
+        "._deployment_config",
+        "RAY_SERVE_SOME_KNOB",
+        "vllm.envs._secret",
+    }
 
 
 def test_tests_may_touch_irises_own_privates():
-    source = "from deployments import decode\ndef t(model, obj):\n    decode._bind_engine_cores()\n" \
-             "    model._embedding_input_problem\n    obj._never_defined_by_iris\n"
+    source = (
+        "from deployments import decode\ndef t(model, obj):\n    decode._bind_engine_cores()\n"
+        "    model._embedding_input_problem\n    obj._never_defined_by_iris\n"
+    )
     own = private_apis.own_names()
     assert private_apis.scan_file("tests/test_x.py", source, own) == {"._never_defined_by_iris"}
     # product code: any underscore attribute of an object it did not import counts
-    assert private_apis.scan_file("pipeline/x.py", source, own) == {"._embedding_input_problem",
-                                                                    "._never_defined_by_iris"}
+    assert private_apis.scan_file("pipeline/x.py", source, own) == {
+        "._embedding_input_problem",
+        "._never_defined_by_iris",
+    }

@@ -38,7 +38,7 @@ class Decode:
 
 
 def request(raw: bytes, piece: int = 65536) -> Request:
-    pieces = [raw[i:i + piece] for i in range(0, len(raw), piece)] or [b""]
+    pieces = [raw[i : i + piece] for i in range(0, len(raw), piece)] or [b""]
 
     async def receive():
         chunk = pieces.pop(0)
@@ -103,8 +103,9 @@ def test_base64_media_are_not_text_but_text_that_looks_like_them_is(parser):
     assert len(parse(parser, "chat", escaped)[1]) == 1
     # A text part that starts with data: is found only by parsing: refused after it.
     refused(parser, "chat", chat("data:" + "x" * CAP), "messages")
-    refused(parser, "chat", chat("x" * (CAP // 2), part, {"type": "text", "text": "data:" + "x" * (CAP // 2)}),
-            "messages")
+    refused(
+        parser, "chat", chat("x" * (CAP // 2), part, {"type": "text", "text": "data:" + "x" * (CAP // 2)}), "messages"
+    )
 
 
 def test_without_a_decode_replica_the_configs_max_model_len_bounds_the_text():

@@ -49,8 +49,9 @@ LOAD_CAP_S = 420.0  # a bound on the load, whatever the update does
 @pytest.fixture(scope="module")
 def app(iris_apps, tiny_checkpoint):
     """test_serving's Qwen2-VL app (the same args: the pool hands over the running one)."""
-    with iris_apps.use("iris-qwen2_vl", reference_args(tiny_checkpoint("qwen2_vl"), "float32", NAME),
-                       route_prefix="/qwen2_vl") as running:
+    with iris_apps.use(
+        "iris-qwen2_vl", reference_args(tiny_checkpoint("qwen2_vl"), "float32", NAME), route_prefix="/qwen2_vl"
+    ) as running:
         yield running
 
 
@@ -85,12 +86,18 @@ class Sent:
 
 def _body(what: str, images: dict[str, bytes]) -> dict:
     if what in images:
-        content = [{"type": "image_url", "image_url": {"url": data_url(images[what])}},
-                   {"type": "text", "text": "Describe it."}]
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(images[what])}},
+            {"type": "text", "text": "Describe it."},
+        ]
     else:
         content = what
-    return {"model": NAME, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": MAX_TOKENS}
+    return {
+        "model": NAME,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
 
 
 async def _ask(client: httpx.AsyncClient, url: str, what: str, images: dict[str, bytes]) -> Sent:
@@ -111,6 +118,7 @@ async def _answers(url: str, inputs: list[str], images: dict[str, bytes]) -> dic
         async def one(what):
             async with gate:
                 return await _ask(client, url, what, images)
+
         sent = await asyncio.gather(*(one(w) for w in inputs))
     assert all(s.status == 200 for s in sent), [(s.what, s.status, s.answer) for s in sent if s.status != 200]
     return {s.what: s.answer for s in sent}
@@ -151,8 +159,11 @@ def _keys_of(namespace: str, fingerprint: str) -> list[str]:
 
     client = redis.Redis.from_url(SHARED_REDIS_URL)
     try:
-        return [k.decode() for k in client.scan_iter(match=f"{namespace}:*", count=1000)
-                if fingerprint_of(k.decode()) == fingerprint]
+        return [
+            k.decode()
+            for k in client.scan_iter(match=f"{namespace}:*", count=1000)
+            if fingerprint_of(k.decode()) == fingerprint
+        ]
     finally:
         client.close()
 
@@ -173,8 +184,11 @@ def _roll_under_load(app, new_args: dict, seed: int) -> dict:
         # Two Ingress replicas, so that one serves while Serve replaces the other (one replica
         # is stopped before its successor starts). The first roll also grows it from one to two:
         # Serve starts the new replica before stopping the old one then.
-        serve.run(iris_application(IrisConfig.model_validate(new_args), num_replicas=INGRESS_REPLICAS),
-                  name=app.name, route_prefix=prefix)  # returns once the app runs again
+        serve.run(
+            iris_application(IrisConfig.model_validate(new_args), num_replicas=INGRESS_REPLICAS),
+            name=app.name,
+            route_prefix=prefix,
+        )  # returns once the app runs again
 
     started = time.monotonic()
     sent, rolled = run_on_fresh_loop(_load_during(roll, url, inputs, images))

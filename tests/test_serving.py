@@ -33,8 +33,9 @@ def app(request, iris_apps, tiny_checkpoint):
     """(family, base URL, app name): the app tests/test_api_parity.py and tests/test_families.py
     compare with `vllm serve` on the same checkpoint (conftest runs them one after another)."""
     family = request.param
-    with iris_apps.use(f"iris-{family}", reference_args(tiny_checkpoint(family), "float32", NAME), keep=True,
-                       route_prefix=f"/{family}") as running:
+    with iris_apps.use(
+        f"iris-{family}", reference_args(tiny_checkpoint(family), "float32", NAME), keep=True, route_prefix=f"/{family}"
+    ) as running:
         yield family, running.url, running.name
 
 
@@ -51,8 +52,12 @@ def _work_counts(app_name: str) -> tuple[int, int]:
 
 
 def _chat(base: str, parts: list[dict], *, tenant: str | None = None, max_tokens: int = 8, **extra) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {
+        "messages": [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
     headers = {"X-Iris-Tenant": tenant} if tenant else {}
     return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
@@ -66,8 +71,11 @@ def test_the_suite_serves_iris_behind_haproxy(app):
 
     _, base, _ = app
     port = urlparse(base).port
-    listeners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    listeners = {
+        psutil.Process(c.pid).name()
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid
+    }
     assert listeners == {"haproxy"}, listeners
     assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
 
@@ -155,8 +163,8 @@ def test_forged_redis_entries_are_recomputed_or_a_miss(app):
     import redis
     import torch
 
-    from cache_service.features import Features
     from cache_service.codec import encode
+    from cache_service.features import Features
     from cache_service.keys import content_key, uuid_key
     from cache_service.validation import stamp_fingerprint
 
@@ -205,8 +213,14 @@ def test_concurrent_burst_preprocesses_and_encodes_each_new_image_once(app):
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            bodies = [{"messages": [{"role": "user", "content": [_image_part(url), {"type": "text", "text": "hi"}]}],
-                       "max_tokens": 2, "temperature": 0} for url in urls * 5]
+            bodies = [
+                {
+                    "messages": [{"role": "user", "content": [_image_part(url), {"type": "text", "text": "hi"}]}],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                }
+                for url in urls * 5
+            ]
             return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
 
     before = _work_counts(name)
@@ -224,14 +238,21 @@ def test_openai_client_streaming_and_not(app):
     family, base, _ = app
     client = OpenAI(base_url=f"{base}/v1", api_key="test-key")
     assert [m.id for m in client.models.list()] == [NAME]
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(png_bytes("tall"))}},
-        {"type": "text", "text": REFERENCE_TEXT}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png_bytes("tall"))}},
+                {"type": "text", "text": REFERENCE_TEXT},
+            ],
+        }
+    ]
     full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
     assert full.choices[0].finish_reason in ("length", "stop")
     assert full.usage.completion_tokens >= 1
-    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -285,29 +306,42 @@ def test_image_the_model_cannot_take_is_400(app):
         assert r.json()["error"]["code"] == "invalid_image" and "aspect ratio" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json", b"[1, 2]", b'{"messages": []}', b'{"max_tokens": 5}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "five"}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"messages": []}',
+        b'{"max_tokens": 5}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "five"}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}',
+    ],
+)
 def test_malformed_bodies_are_400(app, body):
     _, base, _ = app
-    r = httpx.post(f"{base}/v1/chat/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{base}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
     # Iris's own refusals (the body, its token limit) in OpenAI's words; the rest vLLM's, as `vllm serve` has them.
-    assert (error["type"], error["code"]) in {("invalid_request_error", "invalid_json"),
-                                              ("invalid_request_error", "invalid_value"),
-                                              ("Bad Request", 400), ("BadRequestError", 400)}, error
+    assert (error["type"], error["code"]) in {
+        ("invalid_request_error", "invalid_json"),
+        ("invalid_request_error", "invalid_value"),
+        ("Bad Request", 400),
+        ("BadRequestError", 400),
+    }, error
 
 
 def test_unknown_model_is_404(app):
     _, base, _ = app
-    r = httpx.post(f"{base}/v1/chat/completions", timeout=60,
-                   json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=60,
+        json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 404, r.text
     assert r.json()["error"]["type"] == "NotFoundError" and r.json()["error"]["param"] == "model", r.text
 
@@ -331,8 +365,15 @@ def test_prometheus_metrics_are_exported(app):
     url = data_url(_unique_png())
     for _ in range(2):  # the second one hits the feature cache and vLLM's prefix cache
         assert _chat(base, [_image_part(url)]).status_code == 200
-    wanted = ["iris_requests", "iris_ttft_seconds", "iris_images", "iris_feature_cache_events",
-              "iris_preprocess_seconds", "iris_encoder_batch_size", "iris_vllm_prefix_cache_hit_tokens"]
+    wanted = [
+        "iris_requests",
+        "iris_ttft_seconds",
+        "iris_images",
+        "iris_feature_cache_events",
+        "iris_preprocess_seconds",
+        "iris_encoder_batch_size",
+        "iris_vllm_prefix_cache_hit_tokens",
+    ]
     deadline = time.monotonic() + 60
     while True:
         text = metrics_text()
@@ -346,9 +387,12 @@ def test_prometheus_metrics_are_exported(app):
 
 def test_oversized_body_is_413_without_reading_it_all(app):
     _, base, _ = app
-    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 8_000_000 + b'"}]}'  # over the images' and video's room
-    r = httpx.post(f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"},
-                   timeout=60)
+    huge = (
+        b'{"messages": [{"role": "user", "content": "' + b"x" * 8_000_000 + b'"}]}'
+    )  # over the images' and video's room
+    r = httpx.post(
+        f"{base}/v1/chat/completions", content=huge, headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -362,12 +406,12 @@ def test_keys_of_other_weights_are_refused_by_encoder_and_decoder(app):
 
     _, base, name = app
     stale = content_key("0ff1ce", _unique_png(), _namespace_of(name))
-    refused = serve.get_deployment_handle("VisionEncoder", app_name=name).encode.remote(
-        stale, PixelInputs(None, 1)).result()
+    refused = (
+        serve.get_deployment_handle("VisionEncoder", app_name=name).encode.remote(stale, PixelInputs(None, 1)).result()
+    )
     assert isinstance(refused, IrisError) and refused.code == "model_changed" and refused.status_code == 503
     request = DecodeCall("chat", None, [stale], ["image"])
-    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
-                  .generate.remote(request))
+    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True).generate.remote(request))
     assert len(chunks) == 1 and isinstance(chunks[0].error, IrisError)
     assert chunks[0].error.code == "model_changed" and chunks[0].error.status_code == 503
     # The ingress, asked normally, still answers.
@@ -394,8 +438,7 @@ def test_lost_feature_reference_is_read_from_the_cache_or_reported_missing(app):
     fingerprint = serve.get_deployment_handle("VisionEncoder", app_name=name).get_fingerprint.remote().result()
     key = content_key(fingerprint, _unique_png(), _namespace_of(name), "default")
     request = DecodeCall("chat", None, [key], ["image"], delivered={key: lost_features.remote()})
-    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True)
-                  .generate.remote(request))
+    chunks = list(serve.get_deployment_handle("LLMDecode", app_name=name).options(stream=True).generate.remote(request))
     assert len(chunks) == 1 and chunks[0].missing_keys == [key] and not chunks[0].error
     assert _chat(base, [_image_part(data_url(_unique_png()))]).status_code == 200
 
@@ -503,8 +546,10 @@ def test_one_bad_image_stops_the_requests_other_fetches(app):
         assert asked.is_set(), "the slow image was never asked for"
         # Well before the fetch's own time limit (media.fetch_timeout_s, 10 s) would end it.
         assert closed.wait(3), "the slow image's fetch went on after the request's 400"
-        print(f"400 in {answered_s:.2f} s; the slow fetch was closed {time.monotonic() - started:.2f} s after "
-              "the request was sent")
+        print(
+            f"400 in {answered_s:.2f} s; the slow fetch was closed {time.monotonic() - started:.2f} s after "
+            "the request was sent"
+        )
 
 
 @video_app
@@ -532,8 +577,11 @@ BAD_VIDEOS = {
     "truncated": (lambda: _unique_clip()[:3000], "invalid_video", "video"),
     "too many bytes": (lambda: _unique_clip() + b"\0" * 3_000_000, "video_too_large", "max_video_bytes"),
     "too long": (lambda: _unique_clip(frames=4, fps=0.005), "video_too_large", "max_video_duration_s"),
-    "too many frames": (lambda: _unique_clip(frames=10_001, width=16, height=16, fps=30.0), "video_too_large",
-                        "max_video_frames"),
+    "too many frames": (
+        lambda: _unique_clip(frames=10_001, width=16, height=16, fps=30.0),
+        "video_too_large",
+        "max_video_frames",
+    ),
 }
 
 
@@ -561,8 +609,11 @@ def test_concurrent_burst_of_one_new_clip_encodes_it_once(app):
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"messages": [{"role": "user", "content": [_video_part(url), {"type": "text", "text": "hi"}]}],
-                    "max_tokens": 2, "temperature": 0}
+            body = {
+                "messages": [{"role": "user", "content": [_video_part(url), {"type": "text", "text": "hi"}]}],
+                "max_tokens": 2,
+                "temperature": 0,
+            }
             return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=body) for _ in range(12)))
 
     before = _work_counts(name)
@@ -583,14 +634,25 @@ def test_new_clips_waiting_for_preprocess_hold_no_decode_slots(app):
 
     _, base, name = app
     # 10 s of 640x480 each (a quarter of a second to decode here): the clips queue in Preprocess.
-    urls = [data_url(_unique_clip(frames=300, width=640, height=480, fps=30.0, smooth=True), "video/mp4")
-            for _ in range(16)]
+    urls = [
+        data_url(_unique_clip(frames=300, width=640, height=480, fps=30.0, smooth=True), "video/mp4") for _ in range(16)
+    ]
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": [_video_part(u), {"type": "text", "text": "hi"}]}],
-                "max_tokens": 2, "temperature": 0}) for u in urls))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{base}/v1/chat/completions",
+                        json={
+                            "messages": [{"role": "user", "content": [_video_part(u), {"type": "text", "text": "hi"}]}],
+                            "max_tokens": 2,
+                            "temperature": 0,
+                        },
+                    )
+                    for u in urls
+                )
+            )
 
     replies: list = []
     sender = threading.Thread(target=lambda: replies.extend(asyncio.run(burst())))
@@ -623,9 +685,15 @@ def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
 
     async def leave_while_preprocessing():
         async with httpx.AsyncClient(timeout=120) as client:
-            request = asyncio.ensure_future(client.post(f"{base}/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": [_video_part(data_url(clip, "video/mp4"))]}],
-                "max_tokens": 4}))
+            request = asyncio.ensure_future(
+                client.post(
+                    f"{base}/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": [_video_part(data_url(clip, "video/mp4"))]}],
+                        "max_tokens": 4,
+                    },
+                )
+            )
             while (await preprocess.stats.remote())["preprocessing"] == 0:
                 assert not request.done(), request.result().text
                 await asyncio.sleep(0.01)
@@ -636,8 +704,11 @@ def test_client_leaving_during_frame_decoding_leaves_the_stages_idle(app):
     asyncio.run(leave_while_preprocessing())
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        busy = (_stats(name, "Preprocess")["preprocessing"], _stats(name, "VisionEncoder")["encoding"],
-                _stats(name, "LLMDecode")["generating"])
+        busy = (
+            _stats(name, "Preprocess")["preprocessing"],
+            _stats(name, "VisionEncoder")["encoding"],
+            _stats(name, "LLMDecode")["generating"],
+        )
         if busy == (0, 0, 0):
             break
         time.sleep(0.1)

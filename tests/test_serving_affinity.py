@@ -24,16 +24,23 @@ from tests.support.images import REFERENCE_TEXT, data_url, unique_png
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "iris-affinity"
-PLACEMENT = {"Ingress": CPU_NODE, "Preprocess": CPU_NODE, "VisionEncoder": ACCELERATOR_NODE,
-             "LLMDecode": ACCELERATOR_NODE}
+PLACEMENT = {
+    "Ingress": CPU_NODE,
+    "Preprocess": CPU_NODE,
+    "VisionEncoder": ACCELERATOR_NODE,
+    "LLMDecode": ACCELERATOR_NODE,
+}
 
 
 @pytest.fixture(scope="module")
 def affinity_app(iris_apps, tiny_checkpoint):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     args = config.pop("args")
-    args.update(model=tiny_checkpoint("llava"), engine_args={"max_model_len": 2048, "enforce_eager": True},
-                cache={**args["cache"], "ttl_s": 3600})
+    args.update(
+        model=tiny_checkpoint("llava"),
+        engine_args={"max_model_len": 2048, "enforce_eager": True},
+        cache={**args["cache"], "ttl_s": 3600},
+    )
     decode = next(d for d in config["deployments"] if d["name"] == "LLMDecode")
     assert decode["request_router_config"]["request_router_class"].endswith(":ImageAffinityRouter")
     del decode["autoscaling_config"]
@@ -49,8 +56,11 @@ def _chat(base: str, url: str | None, uuid: str | None = None, status: int = 200
     part = {"type": "image_url", "image_url": None if url is None else {"url": url}}
     if uuid is not None:
         part["uuid"] = uuid
-    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 4, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == status, r.text
     return r.json()["usage"] if status == 200 else r.json()
@@ -59,8 +69,10 @@ def _chat(base: str, url: str | None, uuid: str | None = None, status: int = 200
 def test_stages_run_on_the_nodes_the_config_names(affinity_app, ray_dashboard):
     """Serve's own replica details (the dashboard's Serve API) say where each replica runs: the
     config's resources alone put the CPU stages and the accelerator stages on different nodes."""
-    nodes = {resource: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
-             for resource in (CPU_NODE, ACCELERATOR_NODE)}
+    nodes = {
+        resource: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+        for resource in (CPU_NODE, ACCELERATOR_NODE)
+    }
     assert nodes[CPU_NODE] != nodes[ACCELERATOR_NODE]
     details = httpx.get(f"{ray_dashboard}/api/serve/applications/", timeout=60).json()
     deployments = details["applications"][APP]["deployments"]

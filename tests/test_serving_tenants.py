@@ -34,12 +34,15 @@ PROMPT_TOKENS_PER_MINUTE = 30
 
 
 # The app's Serve config: tests/test_dashboard.py uses the same app (AppPool, conftest's APP_SHARING_ORDER).
-CONFIG = {"import_path": "deployments.app:build_app",
-          "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
-          # Both on the proxy's node: Serve's proxy prefers replicas on its own node, so one
-          # replica elsewhere would see no traffic at all.
-          "deployments": [{"name": "Ingress", "num_replicas": 2,
-                           "ray_actor_options": {"num_cpus": 0.5, "resources": {CPU_NODE: 1}}}]}
+CONFIG = {
+    "import_path": "deployments.app:build_app",
+    "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    # Both on the proxy's node: Serve's proxy prefers replicas on its own node, so one
+    # replica elsewhere would see no traffic at all.
+    "deployments": [
+        {"name": "Ingress", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "resources": {CPU_NODE: 1}}}
+    ],
+}
 
 
 def app_args(checkpoint: str) -> dict:
@@ -50,10 +53,13 @@ def app_args(checkpoint: str) -> dict:
         "model": checkpoint,
         "engine_args": {"max_model_len": 2048, "enforce_eager": True},
         "auth": {"api_keys_file": str(keys_file)},
-        "tenant_limits": {"tenants": {
-            "conc": {"max_concurrent_requests": 1},
-            "images": {"images_per_minute": IMAGES_PER_MINUTE},
-            "tokens": {"prompt_tokens_per_minute": PROMPT_TOKENS_PER_MINUTE}}},
+        "tenant_limits": {
+            "tenants": {
+                "conc": {"max_concurrent_requests": 1},
+                "images": {"images_per_minute": IMAGES_PER_MINUTE},
+                "tokens": {"prompt_tokens_per_minute": PROMPT_TOKENS_PER_MINUTE},
+            }
+        },
     }
 
 
@@ -61,8 +67,9 @@ def app_args(checkpoint: str) -> dict:
 def tenants_app(iris_apps, tiny_checkpoint):
     started = time.monotonic()
     # Kept for tests/test_dashboard.py, which conftest runs next.
-    with iris_apps.use(APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG,
-                       keep=True) as app:
+    with iris_apps.use(
+        APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG, keep=True
+    ) as app:
         print(f"tenants app up in {time.monotonic() - started:.0f} s")
         yield app
 
@@ -72,14 +79,19 @@ def _auth(key: str | None) -> dict:
 
 
 def _chat(app, key: str | None, parts: list[dict] | None = None, **extra) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": (parts or []) + [{"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 4, "temperature": 0, **extra}
+    body = {
+        "messages": [{"role": "user", "content": (parts or []) + [{"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **extra,
+    }
     return httpx.post(f"{app.url}/v1/chat/completions", json=body, headers=_auth(key), timeout=120)
 
 
 def _complete(app, key: str | None, prompt: str = "Hello there", **extra) -> httpx.Response:
-    return httpx.post(f"{app.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, **extra},
-                      headers=_auth(key), timeout=120)
+    return httpx.post(
+        f"{app.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, **extra}, headers=_auth(key), timeout=120
+    )
 
 
 def _work(app) -> tuple[int, int]:
@@ -107,14 +119,25 @@ def _within_one_minute(seconds_needed: float) -> None:
         time.sleep(left + 0.5)
 
 
-ROUTES = [("GET", "/v1/models", None), ("GET", "/iris/stats", None),
-          ("POST", "/tokenize", {"prompt": "hello"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
-          ("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2}),
-          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-          ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2})]
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("GET", "/iris/stats", None),
+    ("POST", "/tokenize", {"prompt": "hello"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+]
 # What no route takes: unknown paths (the docs FastAPI would serve among them), a route's wrong method.
-UNROUTED = [("GET", "/docs", 404), ("GET", "/openapi.json", 404), ("GET", "/redoc", 404), ("POST", "/v1/nope", 404),
-            ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405), ("PUT", "/health", 405)]
+UNROUTED = [
+    ("GET", "/docs", 404),
+    ("GET", "/openapi.json", 404),
+    ("GET", "/redoc", 404),
+    ("POST", "/v1/nope", 404),
+    ("GET", "/v1/chat/completions", 405),
+    ("DELETE", "/v1/models", 405),
+    ("PUT", "/health", 405),
+]
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES, ids=[p for _, p, _ in ROUTES])
@@ -122,8 +145,13 @@ def test_every_route_needs_a_right_key(tenants_app, method, path, body):
     def call(headers: dict) -> httpx.Response:
         return httpx.request(method, f"{tenants_app.url}{path}", json=body, headers=headers, timeout=120)
 
-    for headers in ({}, _auth(WRONG), _auth(KEYS["alpha"][:-1]), {"authorization": f"Basic {KEYS['alpha']}"},
-                    {"x-api-key": KEYS["alpha"]}):
+    for headers in (
+        {},
+        _auth(WRONG),
+        _auth(KEYS["alpha"][:-1]),
+        {"authorization": f"Basic {KEYS['alpha']}"},
+        {"x-api-key": KEYS["alpha"]},
+    ):
         _assert_401(call(headers))
     for key in (KEYS["alpha"], ALPHA_2):
         r = call(_auth(key))
@@ -205,8 +233,13 @@ def test_prompt_tokens_per_minute(tenants_app):
 
 
 def _stream(client: httpx.Client, app, key: str, tokens: int = 1900):
-    body = {"prompt": "Once upon a time", "max_tokens": tokens, "min_tokens": tokens, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     return client.stream("POST", f"{app.url}/v1/completions", json=body, headers=_auth(key), timeout=120)
 
 
@@ -265,18 +298,28 @@ def test_metrics_per_tenant_hashed(tenants_app):
         text = metrics_text()
         requests = [(s, v) for s, v in _samples(text, "iris_tenant_requests") if s.get("application") == APP]
         limited = {(s["tenant"], s["outcome"]): v for s, v in requests if s.get("outcome") != "admitted"}
-        replicas = {s.get("replica") for s, v in requests
-                    if s["tenant"] in (images, conc) and s["outcome"] == "rate_limited" and v > 0}
-        ready = (limited.get(("none", "unauthorized"), 0) > 0 and (images, "rate_limited") in limited
-                 and (conc, "rate_limited") in limited and len(replicas) == 2)
+        replicas = {
+            s.get("replica")
+            for s, v in requests
+            if s["tenant"] in (images, conc) and s["outcome"] == "rate_limited" and v > 0
+        }
+        ready = (
+            limited.get(("none", "unauthorized"), 0) > 0
+            and (images, "rate_limited") in limited
+            and (conc, "rate_limited") in limited
+            and len(replicas) == 2
+        )
         if ready or time.monotonic() > deadline:
             break
         time.sleep(3)
     assert ready, (limited, replicas)
     assert any(s["tenant"] == metric_tenant("alpha") and s["outcome"] == "admitted" for s, _ in requests)
     # Only 429s: the 400 of a request with more images than its minute allows is no rate limit.
-    assert {s["limit"] for s, _ in _samples(text, "iris_tenant_rate_limited")} == {"images", "prompt_tokens",
-                                                                                  "concurrency"}
+    assert {s["limit"] for s, _ in _samples(text, "iris_tenant_rate_limited")} == {
+        "images",
+        "prompt_tokens",
+        "concurrency",
+    }
     tenant_lines = "\n".join(line for line in text.splitlines() if "iris_tenant" in line)
     for name in ("alpha", "beta", "conc", "images", "tokens"):
         assert f'tenant="{name}"' not in tenant_lines

@@ -9,9 +9,10 @@ MiB = 2**20
 def _samples(name: str, start_mb: float, end_mb: float, seconds: int = 300) -> list[dict]:
     # Warm-up spike, then a linear ramp from start_mb to end_mb.
     out = [{"t": t, "name": name, "pid": 1, "rss": int(3 * start_mb * MiB)} for t in range(0, 60, 5)]
-    out += [{"t": t, "name": name, "pid": 1,
-             "rss": int((start_mb + (end_mb - start_mb) * (t - 60) / (seconds - 60)) * MiB)}
-            for t in range(60, seconds + 1, 5)]
+    out += [
+        {"t": t, "name": name, "pid": 1, "rss": int((start_mb + (end_mb - start_mb) * (t - 60) / (seconds - 60)) * MiB)}
+        for t in range(60, seconds + 1, 5)
+    ]
     return out
 
 
@@ -20,8 +21,12 @@ def test_rss_growth_ignores_warmup_and_flags_a_leak():
     assert growth["steady"]["growth"] < 0.10 < growth["leaky"]["growth"]
     assert 1000 <= growth["steady"]["start_mb"] < 1010  # the warm-up spike (3x) is not the baseline
     keys = {"keys_without_ttl": [], "locks_beyond_expiry": []}
-    assert verdict({"steady": growth["steady"]}, 0, keys, 0) == {"rss": True, "errors": True, "ttl": True,
-                                                                  "locks": True}
+    assert verdict({"steady": growth["steady"]}, 0, keys, 0) == {
+        "rss": True,
+        "errors": True,
+        "ttl": True,
+        "locks": True,
+    }
     assert not verdict(growth, 0, keys, 0)["rss"]
     assert not verdict({}, 1, keys, 0)["errors"] and not verdict({}, 0, keys, 1)["locks"]
 

@@ -132,9 +132,17 @@ def test_a_revision_is_what_every_stage_loads(offline_hub):
     assert len({vision.fingerprint(), default.fingerprint(), pinned_first.fingerprint()}) == 3
 
 
-@pytest.mark.parametrize("setting", [{"revision": "v2"}, {"code_revision": "v2"}, {"tokenizer_revision": "v2"},
-                                     {"hf_overrides": {"projector_hidden_act": "gelu"}},
-                                     {"mm_processor_kwargs": {"do_resize": True}}, {"trust_remote_code": True}])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"revision": "v2"},
+        {"code_revision": "v2"},
+        {"tokenizer_revision": "v2"},
+        {"hf_overrides": {"projector_hidden_act": "gelu"}},
+        {"mm_processor_kwargs": {"do_resize": True}},
+        {"trust_remote_code": True},
+    ],
+)
 def test_settings_that_may_shape_features_change_the_fingerprint(tiny_checkpoint, setting):
     """Every model setting that may change what the processor or tower computes is in the
     fingerprint (here on a local folder, where vLLM ignores revisions: a hub id's would change it)."""
@@ -146,18 +154,29 @@ def test_settings_that_shape_no_features_keep_the_fingerprint(tiny_checkpoint):
     """Engine settings of the decoder only (context length, seed, logprobs, where weights are
     downloaded to) keep the cache: the fingerprint is the one of a deployment without them."""
     plain = IrisConfig(model="builtin:tiny-llava").vision_model()
-    tuned = IrisConfig(model="builtin:tiny-llava", engine_args={
-        "max_model_len": 1024, "seed": 7, "max_logprobs": 3, "download_dir": "/tmp/elsewhere",
-        "enforce_eager": True, "generation_config": "vllm"}).vision_model()
+    tuned = IrisConfig(
+        model="builtin:tiny-llava",
+        engine_args={
+            "max_model_len": 1024,
+            "seed": 7,
+            "max_logprobs": 3,
+            "download_dir": "/tmp/elsewhere",
+            "enforce_eager": True,
+            "generation_config": "vllm",
+        },
+    ).vision_model()
     assert tuned.settings and tuned.processing_id() == plain.processing_id()
 
 
-@pytest.mark.parametrize(("engine_args", "stage"), [
-    ({"enable_lora": True, "enable_tower_connector_lora": True}, "VisionEncoder"),
-    ({"language_model_only": True}, "LLMDecode"),
-    ({"mm_encoder_only": True}, "LLMDecode"),
-    ({"skip_tokenizer_init": True}, "Preprocess"),
-])
+@pytest.mark.parametrize(
+    ("engine_args", "stage"),
+    [
+        ({"enable_lora": True, "enable_tower_connector_lora": True}, "VisionEncoder"),
+        ({"language_model_only": True}, "LLMDecode"),
+        ({"mm_encoder_only": True}, "LLMDecode"),
+        ({"skip_tokenizer_init": True}, "Preprocess"),
+    ],
+)
 def test_a_setting_a_stage_cannot_honour_is_refused_with_the_config(engine_args, stage):
     """Refused when the config is read (serve build / deploy), naming the flag and the stage."""
     with pytest.raises(ValidationError) as refused:
@@ -166,12 +185,12 @@ def test_a_setting_a_stage_cannot_honour_is_refused_with_the_config(engine_args,
     assert stage in message and f"engine_args.{next(reversed(engine_args))}" in message, message
 
 
-REMOTE_CONFIG = '''from transformers import LlavaConfig
+REMOTE_CONFIG = """from transformers import LlavaConfig
 
 
 class IrisLlavaConfig(LlavaConfig):
     model_type = "iris_llava"
-'''
+"""
 
 
 @pytest.fixture
@@ -206,8 +225,10 @@ def test_trusted_checkpoint_code_runs_in_every_stage(remote_code_llava, tiny_che
     other_code = VisionModel(str(remote_code_llava), settings={"trust_remote_code": True})
     assert other_code.processing_id() == vision.processing_id()
     (remote_code_llava / "configuration_iris_llava.py").write_text(REMOTE_CONFIG + "\n# another revision\n")
-    assert VisionModel(str(remote_code_llava), settings={"trust_remote_code": True}).processing_id() != \
-        vision.processing_id()
+    assert (
+        VisionModel(str(remote_code_llava), settings={"trust_remote_code": True}).processing_id()
+        != vision.processing_id()
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -56,9 +56,12 @@ async def admitted(limiter: TenantLimiter, tenant: str, images: int = 0, counted
 
 
 def test_overrides_replace_the_defaults_field_by_field():
-    limits = TenantLimits.model_validate({
-        "default": {"max_concurrent_requests": 4, "images_per_minute": 100},
-        "tenants": {"acme": {"images_per_minute": 5}, "trusted": {"max_concurrent_requests": None}}})
+    limits = TenantLimits.model_validate(
+        {
+            "default": {"max_concurrent_requests": 4, "images_per_minute": 100},
+            "tenants": {"acme": {"images_per_minute": 5}, "trusted": {"max_concurrent_requests": None}},
+        }
+    )
     assert limits.of("other") == LimitSet(max_concurrent_requests=4, images_per_minute=100)
     assert limits.of("acme") == LimitSet(max_concurrent_requests=4, images_per_minute=5)
     assert limits.of("trusted") == LimitSet(images_per_minute=100)  # an explicit null lifts a limit

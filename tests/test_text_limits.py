@@ -31,8 +31,9 @@ MAX_GAP_S = 0.2
 def app(iris_apps, tiny_checkpoint):
     from tests.test_serving_tenants import APP, CONFIG, app_args
 
-    with iris_apps.use(APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG,
-                       keep=True) as running:
+    with iris_apps.use(
+        APP, app_args(tiny_checkpoint("llava")), route_prefix="/tenants", config=CONFIG, keep=True
+    ) as running:
         yield running
 
 
@@ -44,12 +45,17 @@ def key():
 
 
 def _post(app, key: str, path: str, raw: bytes, timeout: float = 300) -> httpx.Response:
-    return httpx.post(f"{app.url}{path}", content=raw, timeout=timeout,
-                      headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+    return httpx.post(
+        f"{app.url}{path}",
+        content=raw,
+        timeout=timeout,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+    )
 
 
 def _chat_body(text: str, size: int | None = None) -> bytes:
     """A text-only chat body; with `size`, its text padded so that the body is exactly `size` bytes."""
+
     def body(t: str) -> bytes:
         return json.dumps({"messages": [{"role": "user", "content": t}], "max_tokens": 2}).encode()
 
@@ -86,8 +92,12 @@ print(json.dumps([started, time.monotonic(), r.status_code, r.text]), flush=True
 
 class Poster:
     def __init__(self, app, key: str, path: str, raw_file):
-        self.process = subprocess.Popen([sys.executable, "-c", POSTER, f"{app.url}{path}", key, str(raw_file)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", POSTER, f"{app.url}{path}", key, str(raw_file)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.process.stdout.readline().strip() == "ready"
 
     def post(self) -> tuple[float, float, int, str]:
@@ -110,11 +120,21 @@ class Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self):
-        body = {"prompt": "Once upon a time", "max_tokens": 1900, "min_tokens": 1900, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 1900,
+            "min_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
-            with httpx.stream("POST", f"{self.app.url}/v1/completions", json=body, timeout=300,
-                              headers={"authorization": f"Bearer {self.key}"}) as r:
+            with httpx.stream(
+                "POST",
+                f"{self.app.url}/v1/completions",
+                json=body,
+                timeout=300,
+                headers={"authorization": f"Bearer {self.key}"},
+            ) as r:
                 self.status = r.status_code
                 for chunk in r.iter_text():
                     self.arrivals.append(time.monotonic())
@@ -155,10 +175,12 @@ def test_150_mb_text_beside_running_streams_is_a_quick_400_and_stalls_nothing(ap
     try:
         gaps = [g for s in streams for g in s.gaps_within(started, answered + 1.0)]
         before = [g for s in streams for g in s.gaps_within(started - 2.0, started)]
-        print(f"150 MB text: answered {r.status_code} {r.text[:300]!r} in {answered - started:.2f} s; stream gaps "
-              f"meanwhile: the 5 longest (ms) {[round(g * 1000) for g in sorted(gaps)[-5:]]} of {len(gaps)} "
-              f"(the 2 s before: {[round(g * 1000) for g in sorted(before)[-5:]]} of {len(before)}); "
-              f"streams ended {[round(s.arrivals[-1] - answered, 2) for s in streams]} s after the answer")
+        print(
+            f"150 MB text: answered {r.status_code} {r.text[:300]!r} in {answered - started:.2f} s; stream gaps "
+            f"meanwhile: the 5 longest (ms) {[round(g * 1000) for g in sorted(gaps)[-5:]]} of {len(gaps)} "
+            f"(the 2 s before: {[round(g * 1000) for g in sorted(before)[-5:]]} of {len(before)}); "
+            f"streams ended {[round(s.arrivals[-1] - answered, 2) for s in streams]} s after the answer"
+        )
         for s in streams:
             assert s.error is None and s.status == 200, (s.status, s.error)
             assert s.arrivals[-1] > answered + 0.5, "a stream ended before the huge request was answered"
@@ -181,8 +203,11 @@ def test_a_text_just_over_the_cap_is_refused_before_vllm_and_one_under_it_reache
     assert under.json()["error"]["type"] == "BadRequestError", under.text[:500]
     assert "maximum context length is 2048 tokens" in under.json()["error"]["message"]
     # Every route that takes text: completions, the Responses API, /tokenize.
-    for path, field, param in (("/v1/completions", "prompt", "prompt"), ("/v1/responses", "input", "input"),
-                               ("/tokenize", "prompt", "prompt")):
+    for path, field, param in (
+        ("/v1/completions", "prompt", "prompt"),
+        ("/v1/responses", "input", "input"),
+        ("/tokenize", "prompt", "prompt"),
+    ):
         raw = json.dumps({field: "x" * TEXT_CAP}).encode()
         _assert_context_length_exceeded(_post(app, key, path, raw), param)
 
@@ -190,13 +215,17 @@ def test_a_text_just_over_the_cap_is_refused_before_vllm_and_one_under_it_reache
 def test_text_that_looks_like_a_data_url_is_text(app, key):
     """Base64 images and videos do not count as text; a text part that starts with `data:` does,
     once the parsed body shows it is no media part."""
-    fake = {"messages": [{"role": "user", "content": [{"type": "text", "text": "data:" + "x" * TEXT_CAP}]}],
-            "max_tokens": 2}
+    fake = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "data:" + "x" * TEXT_CAP}]}],
+        "max_tokens": 2,
+    }
     _assert_context_length_exceeded(_post(app, key, "/v1/chat/completions", json.dumps(fake).encode()))
     # A real image beside a short text: its base64 (over the text cap) is not text.
     image = image_part(data_url(unique_png(size=(320, 320))))
     assert len(image["image_url"]["url"]) > TEXT_CAP
-    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 2}
+    body = {
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 2,
+    }
     r = _post(app, key, "/v1/chat/completions", json.dumps(body).encode())
     assert r.status_code == 200, r.text[:500]

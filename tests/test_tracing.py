@@ -83,28 +83,42 @@ tracing.start_span("stage.d", carrier).end()
 print(carrier["traceparent"])
 """
     try:
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+        ).stdout
         _, trace_id, parent_id, flags = out.split()[-1].split("-")
     finally:
         server.stop(None)
     assert int(flags, 16) & 1  # sampled (sample_ratio 1)
     assert sorted((s.name, s.trace_id, s.parent_id, s.service) for s in received) == [
-        ("stage.a", trace_id, "", "iris-test"), ("stage.b", trace_id, parent_id, "iris-test"),
-        ("stage.c", trace_id, parent_id, "iris-test"), ("stage.d", trace_id, parent_id, "iris-test")]
+        ("stage.a", trace_id, "", "iris-test"),
+        ("stage.b", trace_id, parent_id, "iris-test"),
+        ("stage.c", trace_id, parent_id, "iris-test"),
+        ("stage.d", trace_id, parent_id, "iris-test"),
+    ]
 
 
 @pytest.fixture(scope="module")
 def app(iris_apps, tiny_checkpoint):
     """test_serving's LLaVA app (the same args: the pool hands over the running one)."""
-    with iris_apps.use("iris-llava", reference_args(tiny_checkpoint("llava"), "float32", NAME), keep=True,
-                       route_prefix="/llava") as running:
+    with iris_apps.use(
+        "iris-llava", reference_args(tiny_checkpoint("llava"), "float32", NAME), keep=True, route_prefix="/llava"
+    ) as running:
         yield running.url
 
 
 def _chat(base: str, part: dict, headers: dict) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
-            "max_tokens": 4, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     return r
@@ -139,17 +153,28 @@ def test_one_connected_trace_per_request_with_a_span_per_stage(app):
     new = _chat(app, image_part(data_url(png), uid), headers("new"))
     cached = _chat(app, image_part(data_url(png), uid), headers("cached"))
     upload_free = _chat(app, image_part(None, uid), headers("upload_free"))
-    assert [r.headers["x-iris-images"] for r in (new, cached, upload_free)] == \
-        ["cached=0,computed=1", "cached=1,computed=0", "cached=1,computed=0"]
+    assert [r.headers["x-iris-images"] for r in (new, cached, upload_free)] == [
+        "cached=0,computed=1",
+        "cached=1,computed=0",
+        "cached=1,computed=0",
+    ]
 
     # The new image's trace: found by its request id, an attribute of its root.
     request_id = new.json()["id"]
     roots = receiver.wait(lambda: receiver.find("ingress.request", "iris.request_id", request_id))
     assert len(roots) == 1, roots
-    traces = {"new": roots[0].trace_id, "cached": client_span["cached"][0],
-              "upload_free": client_span["upload_free"][0]}
-    spans = {case: receiver.wait(lambda t=t, c=case: (lambda s: s if _complete(s, c == "new") else None)(
-        receiver.trace(t)), timeout_s=30) or receiver.trace(t) for case, t in traces.items()}
+    traces = {
+        "new": roots[0].trace_id,
+        "cached": client_span["cached"][0],
+        "upload_free": client_span["upload_free"][0],
+    }
+    spans = {
+        case: receiver.wait(
+            lambda t=t, c=case: (lambda s: s if _complete(s, c == "new") else None)(receiver.trace(t)), timeout_s=30
+        )
+        or receiver.trace(t)
+        for case, t in traces.items()
+    }
     for case, trace in spans.items():
         assert _complete(trace, case == "new"), (case, _tree(trace))
         by_id = {s.span_id: s for s in trace}

@@ -18,8 +18,19 @@ from tests.support.videos import clip_bytes
 from tests.test_families import takes_image_embeddings
 
 # Families whose vLLM processor takes videos; vLLM 0.32 takes InternVL's back only through the connector.
-TAKES_VIDEO = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "minicpmv4_6",
-               "internvl", "internvl_chat", "glm4v", "llava_onevision"}
+TAKES_VIDEO = {
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_vl_moe",
+    "qwen3_5_moe",
+    "minicpmv4_6",
+    "internvl",
+    "internvl_chat",
+    "glm4v",
+    "llava_onevision",
+}
 VIDEO_BY_CONNECTOR = {"internvl", "internvl_chat", "glm4v", "llava_onevision"}
 
 
@@ -155,9 +166,11 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     elif vision.forms["image"].delivery == CONNECTOR:
         model = VisionModel(vision.checkpoint, connector=True, settings=vision.settings)
         model.load_encoder()  # (its forms say connector: the check below does not depend on them)
-        one, other = (model.encode([model.preprocess(model.load_image(data))])[0]
-                      for data in (sample_image_bytes(), sample_image_bytes(160, 40)))
-        problem = model._embedding_input_problem([one, other][:model.limits["image"]], "image")
+        one, other = (
+            model.encode([model.preprocess(model.load_image(data))])[0]
+            for data in (sample_image_bytes(), sample_image_bytes(160, 40))
+        )
+        problem = model._embedding_input_problem([one, other][: model.limits["image"]], "image")
         assert problem is not None, family
         if model._embedding_input_problem([one], "image") is None:
             assert one.num_tokens != other.num_tokens and "inconsistent shapes" in problem, (family, problem)

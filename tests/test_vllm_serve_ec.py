@@ -21,14 +21,15 @@ from tests.support.apps import reference_args
 from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 from tests.support.namespaces import SHARED_REDIS_URL
 
-COUNTER = re.compile(r'^vllm:iris_ec_(loaded|encoded|refused)_items_total\{[^}]*\} ([0-9.e+]+)$', re.M)
+COUNTER = re.compile(r"^vllm:iris_ec_(loaded|encoded|refused)_items_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
 @pytest.fixture(scope="module")
 def iris(iris_apps, tiny_checkpoint):
     """The LLaVA reference app (test_api_parity's and test_families', handed on: conftest's order)."""
-    with iris_apps.use("iris-fam-llava-float32", reference_args(tiny_checkpoint("llava"), "float32", NAME),
-                       keep=True) as app:
+    with iris_apps.use(
+        "iris-fam-llava-float32", reference_args(tiny_checkpoint("llava"), "float32", NAME), keep=True
+    ) as app:
         yield app
 
 
@@ -38,11 +39,25 @@ def plain_vllm(iris, tiny_checkpoint, tmp_path_factory):
     from bench.harness.systems import EngineSettings, _start_vllm
 
     model = httpx.get(f"{iris.url}/iris/stats", timeout=30).json()["model"]
-    ec = {"ec_connector": CONNECTOR_NAME, "ec_connector_module_path": MODULE_PATH, "ec_role": "ec_consumer",
-          "ec_connector_extra_config": {"redis_url": SHARED_REDIS_URL, "namespace": iris.namespace,
-                                        "fingerprint": model["fingerprint"], "tenant": "default"}}
-    engine = EngineSettings(tiny_checkpoint("llava"), "float32", 2048, 2, 0,
-                            ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)))
+    ec = {
+        "ec_connector": CONNECTOR_NAME,
+        "ec_connector_module_path": MODULE_PATH,
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {
+            "redis_url": SHARED_REDIS_URL,
+            "namespace": iris.namespace,
+            "fingerprint": model["fingerprint"],
+            "tenant": "default",
+        },
+    }
+    engine = EngineSettings(
+        tiny_checkpoint("llava"),
+        "float32",
+        2048,
+        2,
+        0,
+        ("--seed", "0", "--enforce-eager", "--ec-transfer-config", json.dumps(ec)),
+    )
     system = _start_vllm(1, engine, tmp_path_factory.mktemp("vllm-ec"), time.monotonic(), 600)
     try:
         yield system.base_urls[0]
@@ -54,8 +69,13 @@ def _chat(base: str, image: str, uuid_: str | None) -> dict:
     part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}}
     if uuid_:
         part["uuid"] = uuid_
-    body = {"model": NAME, "max_tokens": 12, "temperature": 0, "logprobs": True,
-            "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}]}
+    body = {
+        "model": NAME,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": REFERENCE_TEXT}]}],
+    }
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()

@@ -38,10 +38,17 @@ IMG2 = data_url(png_bytes("wide"))
 
 def flags(adapter: str) -> dict:
     """The `vllm serve` flags both systems run with (Iris: engine_args)."""
-    return {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
-            "enable_lora": True, "lora_modules": [f"{ADAPTER}={adapter}"], "max_lora_rank": 8,
-            "max_model_len": 2048, "enforce_eager": True,
-            "enable_prompt_tokens_details": True}  # Iris's default, so vllm serve's too
+    return {
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+        "reasoning_parser": "qwen3",
+        "enable_lora": True,
+        "lora_modules": [f"{ADAPTER}={adapter}"],
+        "max_lora_rank": 8,
+        "max_model_len": 2048,
+        "enforce_eager": True,
+        "enable_prompt_tokens_details": True,
+    }  # Iris's default, so vllm serve's too
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +70,21 @@ def systems(iris_apps, checkpoint, adapter, tmp_path_factory):
     from deployments.vllm_args import argv
 
     engine_flags = flags(adapter)
-    engine = EngineSettings(checkpoint, "float32", 2048, 2, 0, ("--seed", "0", *argv(
-        {k: v for k, v in engine_flags.items() if k not in ("max_model_len",)})))
+    engine = EngineSettings(
+        checkpoint,
+        "float32",
+        2048,
+        2,
+        0,
+        ("--seed", "0", *argv({k: v for k, v in engine_flags.items() if k not in ("max_model_len",)})),
+    )
     args = reference_args(checkpoint, "float32", NAME)
     args["engine_args"] = engine_flags
     args["max_videos_per_prompt"] = 0
-    with beside(lambda: _start_vllm(1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(), 600),
-                iris_apps.use("iris-surface", args, route_prefix="/surface")) as (app, vllm):
+    with beside(
+        lambda: _start_vllm(1, engine, tmp_path_factory.mktemp("vllm"), time.monotonic(), 600),
+        iris_apps.use("iris-surface", args, route_prefix="/surface"),
+    ) as (app, vllm):
         try:
             yield app.url, vllm.base_urls[0]
         finally:
@@ -78,14 +93,32 @@ def systems(iris_apps, checkpoint, adapter, tmp_path_factory):
 
 # --------------------------------------------------------------------------- requests
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo"]}},
-                   "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 for _tool in TOOLS:  # the arguments a required or named call is constrained to are the parameters' schema
     _tool["function"]["strict"] = True
@@ -94,78 +127,202 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # constrains allows whitespace, a random-weight model fills it forever, and a required or named
 # tool call's arguments would never end (vLLM's disable_any_whitespace leaves its structural tags'
 # JSON alone). Where the grammar requires a space, it is still the one token allowed.
-NO_WHITESPACE = {"logit_bias": {str(sorted(pre_tokenizers.ByteLevel.alphabet()).index(symbol)): -100
-                                for symbol in ("\u0120", "\u0109", "\u010a", "\u010d")}}
+NO_WHITESPACE = {
+    "logit_bias": {
+        str(sorted(pre_tokenizers.ByteLevel.alphabet()).index(symbol)): -100
+        for symbol in ("\u0120", "\u0109", "\u010a", "\u010d")
+    }
+}
 
 
 def user(text: str, *images: str) -> dict:
-    return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in images),
-                                        {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [*({"type": "image_url", "image_url": {"url": u}} for u in images), {"type": "text", "text": text}],
+    }
 
 
 def chat(*messages: dict, **params) -> dict:
-    return {"model": NAME, "messages": list(messages) or [user("What is the weather in Paris?", IMG)],
-            "max_tokens": 16, "temperature": 0, **params}
+    return {
+        "model": NAME,
+        "messages": list(messages) or [user("What is the weather in Paris?", IMG)],
+        "max_tokens": 16,
+        "temperature": 0,
+        **params,
+    }
 
 
 MULTI_TURN = [
     {"role": "system", "content": "You are a weather assistant."},
     user("What is the weather where this picture was taken, Paris?", IMG),
-    {"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."},
 ]
 
 # (name, path, body, headers): answered 200 by both.
 CASES = [
     ("tools-auto", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="auto", **NO_THINKING), None),
-    ("tools-auto-stream", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="auto", stream=True,
-                                                      **NO_THINKING), None),
-    ("tools-required", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="required", max_tokens=80,
-                                                   **NO_WHITESPACE, **NO_THINKING), None),
-    ("tools-required-stream", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="required", max_tokens=80,
-                                                          stream=True, **NO_WHITESPACE, **NO_THINKING), None),
-    ("tools-named", "/v1/chat/completions", chat(
-        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=60,
-        **NO_WHITESPACE, **NO_THINKING), None),
-    ("tools-named-stream", "/v1/chat/completions", chat(
-        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=60,
-        **NO_WHITESPACE, stream=True, **NO_THINKING), None),
+    (
+        "tools-auto-stream",
+        "/v1/chat/completions",
+        chat(tools=TOOLS, tool_choice="auto", stream=True, **NO_THINKING),
+        None,
+    ),
+    (
+        "tools-required",
+        "/v1/chat/completions",
+        chat(tools=TOOLS, tool_choice="required", max_tokens=80, **NO_WHITESPACE, **NO_THINKING),
+        None,
+    ),
+    (
+        "tools-required-stream",
+        "/v1/chat/completions",
+        chat(tools=TOOLS, tool_choice="required", max_tokens=80, stream=True, **NO_WHITESPACE, **NO_THINKING),
+        None,
+    ),
+    (
+        "tools-named",
+        "/v1/chat/completions",
+        chat(
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            max_tokens=60,
+            **NO_WHITESPACE,
+            **NO_THINKING,
+        ),
+        None,
+    ),
+    (
+        "tools-named-stream",
+        "/v1/chat/completions",
+        chat(
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            max_tokens=60,
+            **NO_WHITESPACE,
+            stream=True,
+            **NO_THINKING,
+        ),
+        None,
+    ),
     ("tools-multi-turn", "/v1/chat/completions", chat(*MULTI_TURN, tools=TOOLS, **NO_THINKING), None),
-    ("tools-multi-turn-stream", "/v1/chat/completions", chat(*MULTI_TURN, tools=TOOLS, stream=True,
-                                                            **NO_THINKING), None),
+    (
+        "tools-multi-turn-stream",
+        "/v1/chat/completions",
+        chat(*MULTI_TURN, tools=TOOLS, stream=True, **NO_THINKING),
+        None,
+    ),
     ("thinking-on", "/v1/chat/completions", chat(chat_template_kwargs={"enable_thinking": True}), None),
-    ("thinking-on-stream", "/v1/chat/completions", chat(chat_template_kwargs={"enable_thinking": True},
-                                                       stream=True), None),
+    (
+        "thinking-on-stream",
+        "/v1/chat/completions",
+        chat(chat_template_kwargs={"enable_thinking": True}, stream=True),
+        None,
+    ),
     ("thinking-off", "/v1/chat/completions", chat(**NO_THINKING), None),
     ("thinking-off-stream", "/v1/chat/completions", chat(stream=True, **NO_THINKING), None),
-    ("responses", "/v1/responses", {
-        "model": NAME, "max_output_tokens": 16, "temperature": 0, "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": IMG}, {"type": "input_text", "text": "What is in it?"}]}]}, None),
-    ("responses-stream", "/v1/responses", {
-        "model": NAME, "max_output_tokens": 16, "temperature": 0, "stream": True, "input": [
-            {"role": "user", "content": [{"type": "input_image", "image_url": IMG2},
-                                         {"type": "input_text", "text": "And this one?"}]}]}, None),
-    ("completions-echo-prompt-logprobs", "/v1/completions", {
-        "model": NAME, "prompt": "The weather in Paris is", "max_tokens": 8, "temperature": 0, "echo": True,
-        "logprobs": 2, "prompt_logprobs": 2}, None),
-    ("completions-token-ids", "/v1/completions", {
-        "model": NAME, "prompt": [84, 104, 101, 32, 119], "max_tokens": 8, "temperature": 0, "logprobs": 1}, None),
-    ("completions-token-ids-echo-stream", "/v1/completions", {
-        "model": NAME, "prompt": [84, 104, 101, 32, 119], "max_tokens": 8, "temperature": 0, "echo": True,
-        "stream": True}, None),
+    (
+        "responses",
+        "/v1/responses",
+        {
+            "model": NAME,
+            "max_output_tokens": 16,
+            "temperature": 0,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": IMG},
+                        {"type": "input_text", "text": "What is in it?"},
+                    ],
+                }
+            ],
+        },
+        None,
+    ),
+    (
+        "responses-stream",
+        "/v1/responses",
+        {
+            "model": NAME,
+            "max_output_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": IMG2},
+                        {"type": "input_text", "text": "And this one?"},
+                    ],
+                }
+            ],
+        },
+        None,
+    ),
+    (
+        "completions-echo-prompt-logprobs",
+        "/v1/completions",
+        {
+            "model": NAME,
+            "prompt": "The weather in Paris is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 2,
+            "prompt_logprobs": 2,
+        },
+        None,
+    ),
+    (
+        "completions-token-ids",
+        "/v1/completions",
+        {"model": NAME, "prompt": [84, 104, 101, 32, 119], "max_tokens": 8, "temperature": 0, "logprobs": 1},
+        None,
+    ),
+    (
+        "completions-token-ids-echo-stream",
+        "/v1/completions",
+        {
+            "model": NAME,
+            "prompt": [84, 104, 101, 32, 119],
+            "max_tokens": 8,
+            "temperature": 0,
+            "echo": True,
+            "stream": True,
+        },
+        None,
+    ),
     ("lora-chat", "/v1/chat/completions", chat(model=ADAPTER, **NO_THINKING), None),
-    ("lora-completions", "/v1/completions", {
-        "model": ADAPTER, "prompt": "The weather in Paris is", "max_tokens": 8, "temperature": 0}, None),
+    (
+        "lora-completions",
+        "/v1/completions",
+        {"model": ADAPTER, "prompt": "The weather in Paris is", "max_tokens": 8, "temperature": 0},
+        None,
+    ),
     ("request-id-body", "/v1/chat/completions", chat(request_id="surface-body-1", **NO_THINKING), None),
     ("request-id-header", "/v1/chat/completions", chat(**NO_THINKING), {"X-Request-Id": "surface-header-1"}),
-    ("request-id-header-completions", "/v1/completions", {
-        "model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}, {"X-Request-Id": "surface-header-2"}),
+    (
+        "request-id-header-completions",
+        "/v1/completions",
+        {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        {"X-Request-Id": "surface-header-2"},
+    ),
     ("priority-zero", "/v1/chat/completions", chat(priority=0, **NO_THINKING), None),
     # Without --scheduling-policy priority, vllm serve takes (and ignores) a non-zero priority.
     ("priority-nonzero-fcfs", "/v1/chat/completions", chat(priority=5, **NO_THINKING), None),
-    ("continuous-usage-stream", "/v1/chat/completions", chat(
-        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **NO_THINKING), None),
+    (
+        "continuous-usage-stream",
+        "/v1/chat/completions",
+        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **NO_THINKING),
+        None,
+    ),
 ]
 # Cases whose response id carries the request id: compared as is, not dropped as volatile.
 ID_CASES = {"request-id-body", "request-id-header", "request-id-header-completions"}
@@ -176,10 +333,16 @@ MALFORMED = [
     ("bad-temperature-type", "/v1/chat/completions", chat(temperature="hot")),
     ("unknown-model", "/v1/chat/completions", chat(model="nope")),
     ("too-many-tokens", "/v1/chat/completions", chat(max_tokens=100_000)),
-    ("bad-tool-schema", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": "not a schema"}}])),
-    ("tool-choice-unknown-function", "/v1/chat/completions", chat(
-        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
+    (
+        "bad-tool-schema",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]),
+    ),
+    (
+        "tool-choice-unknown-function",
+        "/v1/chat/completions",
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+    ),
     ("tool-choice-required-no-tools", "/v1/chat/completions", chat(tool_choice="required")),
     ("bad-chat-template-kwargs", "/v1/chat/completions", chat(chat_template_kwargs="yes")),
     ("empty-messages", "/v1/chat/completions", {"model": NAME, "messages": [], "max_tokens": 4}),
@@ -199,8 +362,8 @@ MALFORMED = [
 # expected to fail, strictly, so that the fix (in the reason) makes them pass and be unmarked.
 KNOWN_DIFFERENCES = {
     "too-many-tokens": "Iris's max_tokens_limit (4096 by default) refuses first, in Iris's error shape "
-                       "(type invalid_request_error, code invalid_value); vllm serve's check against "
-                       "max_model_len answers type BadRequestError, code 400",
+    "(type invalid_request_error, code invalid_value); vllm serve's check against "
+    "max_model_len answers type BadRequestError, code 400",
 }
 
 
@@ -230,9 +393,11 @@ def send(base: str, path: str, body: dict, headers: dict | None = None) -> tuple
     if body.get("stream") and r.status_code == 200:
         if path == "/v1/responses":  # named events: an `event:` line before each `data:` line
             lines = re.split(r"\r\n|\r|\n", r.text)
-            return 200, [{"event": "[DONE]"} if line == "data: [DONE]" else json.loads(line[len("data:"):])
-                         for line in lines if line.startswith("data:")] + [
-                {"event_lines": sorted({line for line in lines if line.startswith("event:")})}]
+            return 200, [
+                {"event": "[DONE]"} if line == "data: [DONE]" else json.loads(line[len("data:") :])
+                for line in lines
+                if line.startswith("data:")
+            ] + [{"event_lines": sorted({line for line in lines if line.startswith("event:")})}]
         events = sse_events(r.text)
         assert events and events[-1] == "[DONE]", events[-3:]
         return 200, sse_chunks(r.text)
@@ -259,8 +424,14 @@ def stable(value, keep_ids: bool = False):
     """The value without what differs between servers by construction (VOLATILE keys' values;
     a tool call's id keeps its shape: it is random in vLLM)."""
     if isinstance(value, dict):
-        return {k: ("<volatile>" if k in VOLATILE and not (keep_ids and k == "id") and v is not None else
-                    stable(v, keep_ids and k != "tool_calls")) for k, v in value.items()}
+        return {
+            k: (
+                "<volatile>"
+                if k in VOLATILE and not (keep_ids and k == "id") and v is not None
+                else stable(v, keep_ids and k != "tool_calls")
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, list):
         return [stable(v, keep_ids) for v in value]
     return value
@@ -319,12 +490,13 @@ def reassembled_completion(chunks: list[dict]) -> dict:
 def reassembled_responses(events: list[dict]) -> dict:
     """A Responses stream: the completed response, and the text its deltas add up to."""
     done = [e for e in events if e.get("type") == "response.completed"]
-    return {"completed": done[0]["response"] if done else None,
-            "text": "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta"),
-            "reasoning": "".join(e.get("delta", "") for e in events
-                                 if e.get("type") == "response.reasoning_text.delta"),
-            "types": sorted({e.get("type") for e in events} - {None}),
-            "framing": [e for e in events if "type" not in e]}  # [DONE], the `event:` lines
+    return {
+        "completed": done[0]["response"] if done else None,
+        "text": "".join(e.get("delta", "") for e in events if e.get("type") == "response.output_text.delta"),
+        "reasoning": "".join(e.get("delta", "") for e in events if e.get("type") == "response.reasoning_text.delta"),
+        "types": sorted({e.get("type") for e in events} - {None}),
+        "framing": [e for e in events if "type" not in e],
+    }  # [DONE], the `event:` lines
 
 
 def comparable(name: str, path: str, body: dict, answer) -> dict:
@@ -376,6 +548,7 @@ def test_cases_exercise_what_they_name(answers):
     """The parity above compares something: tool calls are made, reasoning and content split by
     the thinking switch, the adapter answers otherwise than the base model, the response ids carry
     the request id, every chunk of a continuous-usage stream counts tokens."""
+
     def msg(name):
         return answers[name][1][1]["choices"][0]["message"]
 

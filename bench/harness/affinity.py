@@ -22,8 +22,9 @@ def split_cores(model_cores: int, cores: list[int]) -> tuple[list[int], list[int
     """(model cores, host cores): the first `model_cores` of the machine's cores play the GPU."""
     cores = sorted(cores)
     if not 1 <= model_cores < len(cores):
-        raise ValueError(f"--gpu-node-mode needs between 1 and {len(cores) - 1} model cores on "
-                         f"{len(cores)} cores, not {model_cores}")
+        raise ValueError(
+            f"--gpu-node-mode needs between 1 and {len(cores) - 1} model cores on {len(cores)} cores, not {model_cores}"
+        )
     return cores[:model_cores], cores[model_cores:]
 
 
@@ -52,8 +53,7 @@ def target(cmdline: str, current: set[int], model: set[int], host: set[int]) -> 
     return None if current == host else host
 
 
-def plan(tree: dict[int, str], model: list[int], host: list[int],
-         affinity=os.sched_getaffinity) -> dict[int, set[int]]:
+def plan(tree: dict[int, str], model: list[int], host: list[int], affinity=os.sched_getaffinity) -> dict[int, set[int]]:
     """thread id -> the cores it should get, for every thread of every process in `tree` that
     is not where it belongs."""
     moves: dict[int, set[int]] = {}
@@ -105,4 +105,3 @@ def placement(roots: list[int]) -> dict[str, list[int]]:
             except OSError:
                 continue
     return {name: sorted(cores) for name, cores in sorted(out.items())}
-

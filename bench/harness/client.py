@@ -62,8 +62,15 @@ class _Answer:
 
 
 class LoadClient:
-    def __init__(self, base_urls: list[str], model: str, timeout_s: float = 600, headers: dict | None = None,
-                 extra_body: dict | None = None, stream: bool = True):
+    def __init__(
+        self,
+        base_urls: list[str],
+        model: str,
+        timeout_s: float = 600,
+        headers: dict | None = None,
+        extra_body: dict | None = None,
+        stream: bool = True,
+    ):
         self.base_urls = base_urls
         self.stream = stream
         self.model = model
@@ -72,11 +79,18 @@ class LoadClient:
         self._next_url = itertools.cycle(base_urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def _post(self, session: aiohttp.ClientSession, messages: list[dict], max_tokens: int,
-                    start: float) -> _Answer:
+    async def _post(
+        self, session: aiohttp.ClientSession, messages: list[dict], max_tokens: int, start: float
+    ) -> _Answer:
         """One request; TTFT counts from `start`, the user's first attempt."""
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": self.stream, **self.extra_body}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": self.stream,
+            **self.extra_body,
+        }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         url = f"{next(self._next_url)}/v1/chat/completions"
@@ -113,8 +127,9 @@ class LoadClient:
             answer.text = "".join(text)
             return answer
 
-    async def conversation(self, session: aiohttp.ClientSession, index: int, conv: Conversation,
-                           max_tokens: int, t0: float) -> list[RequestRecord]:
+    async def conversation(
+        self, session: aiohttp.ClientSession, index: int, conv: Conversation, max_tokens: int, t0: float
+    ) -> list[RequestRecord]:
         records, history = [], []
         for turn_index, turn in enumerate(conv.turns):
             upload_free = conv.upload_free and turn.image is not None
@@ -136,7 +151,7 @@ class LoadClient:
                     record.output_tokens = usage.get("completion_tokens", 0)
                     record.prompt_tokens = usage.get("prompt_tokens", 0)
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
+            except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as err:
                 record.error = f"{type(err).__name__}: {err}"[:300]
             records.append(record)
             if not record.ok:
@@ -144,8 +159,9 @@ class LoadClient:
             history = chat_messages(history, turn, True) + [{"role": "assistant", "content": answer.text}]
         return records
 
-    async def closed_loop(self, workload: Workload, concurrency: int, duration_s: float | None = None,
-                          t0: float | None = None) -> tuple[list[RequestRecord], float]:
+    async def closed_loop(
+        self, workload: Workload, concurrency: int, duration_s: float | None = None, t0: float | None = None
+    ) -> tuple[list[RequestRecord], float]:
         """duration_s: start no conversation after this many seconds (those in flight finish), even if
         the workload has more; t0: the time.perf_counter() that records' start_s count from (default: now)."""
         queue = list(enumerate(workload.conversations))[::-1]
@@ -162,8 +178,13 @@ class LoadClient:
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return records, time.perf_counter() - started
 
-    async def closed_loop_until(self, conversations: Iterable[tuple[int, Conversation]], max_tokens: int,
-                                concurrency: int, stop: Callable[[], bool]) -> tuple[list[RequestRecord], float]:
+    async def closed_loop_until(
+        self,
+        conversations: Iterable[tuple[int, Conversation]],
+        max_tokens: int,
+        concurrency: int,
+        stop: Callable[[], bool],
+    ) -> tuple[list[RequestRecord], float]:
         """Closed loop over (index, conversation) pairs, e.g. an endless generator, until `stop()`
         is true or they run out; conversations in progress finish. `records` fill as they end."""
         source = iter(conversations)
@@ -190,16 +211,14 @@ class LoadClient:
                 delay = at - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(
-                    self.conversation(session, index, conv, workload.max_tokens, t0)))
+                tasks.append(asyncio.ensure_future(self.conversation(session, index, conv, workload.max_tokens, t0)))
                 at += rng.expovariate(rate)
             for done in await asyncio.gather(*tasks):
                 records.extend(done)
             return records, time.perf_counter() - t0
 
     def _session(self, connections: int) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(timeout=self.timeout,
-                                     connector=aiohttp.TCPConnector(limit=max(1, connections)))
+        return aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=max(1, connections)))
 
 
 def warm_up(client: LoadClient, factory: WorkloadFactory) -> dict:
@@ -209,5 +228,8 @@ def warm_up(client: LoadClient, factory: WorkloadFactory) -> dict:
     first, _ = asyncio.run(client.closed_loop(warm.unique(2), 1))
     burst, _ = asyncio.run(client.closed_loop(warm.zipf(8, repeat_share=0.5, pool=2), 4))
     failed = [r for r in first + burst if not r.ok]
-    return {"requests": len(first) + len(burst), "failed": len(failed),
-            "errors": sorted({f"{r.status} {r.error[:160]}" for r in failed})[:3]}
+    return {
+        "requests": len(first) + len(burst),
+        "failed": len(failed),
+        "errors": sorted({f"{r.status} {r.error[:160]}" for r in failed})[:3],
+    }

@@ -17,9 +17,9 @@ from bench.harness.profiler import _processes, process_tree
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _ROLES = [
-    (re.compile(r"^ray::ServeReplica:[^: ]+:([^. :]+)"), r"\1"),   # a Serve replica, by deployment
-    (re.compile(r"^(VLLM::\w+)"), r"\1"),                           # vLLM's engine core and workers
-    (re.compile(r"^ray::(\w+)"), r"\1"),                            # ProxyActor, ServeController, ...
+    (re.compile(r"^ray::ServeReplica:[^: ]+:([^. :]+)"), r"\1"),  # a Serve replica, by deployment
+    (re.compile(r"^(VLLM::\w+)"), r"\1"),  # vLLM's engine core and workers
+    (re.compile(r"^ray::(\w+)"), r"\1"),  # ProxyActor, ServeController, ...
     (re.compile(r"vllm\.entrypoints\.openai\.api_server"), "vllm api_server"),
     (re.compile(r"^\S*/(raylet|gcs_server|redis-server)\b"), r"\1"),
     (re.compile(r"^redis-server\b"), "redis-server"),
@@ -57,8 +57,9 @@ def snapshot(roots: list[int]) -> dict[int, tuple[str, float]]:
     return {pid: (role(cmd), _cpu_s(pid)) for pid, cmd in tree.items()}
 
 
-def per_request_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
-                   requests: int) -> dict[str, float]:
+def per_request_ms(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], requests: int
+) -> dict[str, float]:
     """CPU milliseconds per request by role between two snapshots, largest first, with "total".
     A process that started in between counts from zero; one that ended is lost."""
     if not requests:
@@ -67,8 +68,7 @@ def per_request_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[
     for pid, (name, cpu) in after.items():
         spent = cpu - before.get(pid, (name, 0.0))[1]
         by_role[name] = by_role.get(name, 0.0) + spent
-    ms = {name: round(1000 * s / requests, 1) for name, s in sorted(by_role.items(), key=lambda kv: -kv[1])
-          if s > 0}
+    ms = {name: round(1000 * s / requests, 1) for name, s in sorted(by_role.items(), key=lambda kv: -kv[1]) if s > 0}
     return {"total": round(sum(ms.values()), 1), **ms}
 
 
@@ -88,7 +88,7 @@ class Meter:
         self.before: dict[int, tuple[str, float]] = {}
         self.after: dict[int, tuple[str, float]] = {}
 
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         self.before = snapshot(self.roots)
         return self
 

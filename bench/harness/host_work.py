@@ -44,8 +44,9 @@ from bench.harness.metrics import parse
 from bench.harness.profiler import process_tree
 
 EVENT_STATS_ENV = "RAY_event_stats_print_interval_ms"
-_HEADER = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [A-Z] \d+ \d+\] core_worker\.cc:\d+: Event stats:",
-                     re.M)
+_HEADER = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [A-Z] \d+ \d+\] core_worker\.cc:\d+: Event stats:", re.M
+)
 _ENTRY = re.compile(r"^\t(\S.*?) - (\d+) total \([^)]*\)(?:, Execution time: mean = \S+ms, total = ([\d.]+)ms)?", re.M)
 _LOG_PID = re.compile(r"^python-core-(?:worker|driver)-[0-9a-f]+_(\d+)\.log$")
 _LOG_DIR = re.compile(r"--log_dir=(\S+)")
@@ -70,7 +71,7 @@ def parse_event_stats(text: str) -> tuple[float | None, dict[str, int], float]:
     headers = list(_HEADER.finditer(text))
     for i in range(len(headers) - 1, -1, -1):
         end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
-        block = text[headers[i].end():end]
+        block = text[headers[i].end() : end]
         if "Other Stats:" not in block and i == len(headers) - 1:
             continue  # still being written
         counts: dict[str, int] = {}
@@ -107,8 +108,11 @@ def worker_stats(roots: list[int], fresh_after: float | None = None, wait_s: flo
     folder = log_dir(tree)
     if folder is None or not folder.is_dir():
         return {}
-    logs = {int(m.group(1)): folder / name for name in (p.name for p in folder.iterdir())
-            if (m := _LOG_PID.match(name)) and int(m.group(1)) in tree}
+    logs = {
+        int(m.group(1)): folder / name
+        for name in (p.name for p in folder.iterdir())
+        if (m := _LOG_PID.match(name)) and int(m.group(1)) in tree
+    }
     deadline = time.monotonic() + wait_s
     while True:
         out = {}
@@ -143,8 +147,9 @@ def ray_counts(metrics_text: str) -> dict:
 def short_method(task_name: str) -> str:
     """`ServeReplica:iris:Ingress.handle_request_streaming` -> `Ingress.handle_request_streaming`
     (the app's name dropped; `ServeReplica:app:LLMServer:bench.m` -> `LLMServer:bench.m`)."""
-    return task_name.split(":", 2)[2] if task_name.startswith("ServeReplica:") and task_name.count(":") >= 2 \
-        else task_name
+    return (
+        task_name.split(":", 2)[2] if task_name.startswith("ServeReplica:") and task_name.count(":") >= 2 else task_name
+    )
 
 
 def _per_request(values: dict[str, float], requests: int) -> dict[str, float]:
@@ -199,8 +204,11 @@ def diff(before: dict, after: dict, requests: int) -> dict:
     }
 
 
-NO_RAY = {"ray": False, "note": "no Ray: `vllm serve`'s API server and engine talk over ZeroMQ and shared "
-          "memory, which nothing here counts; Ray calls, object-store puts and streamed Ray items are 0"}
+NO_RAY = {
+    "ray": False,
+    "note": "no Ray: `vllm serve`'s API server and engine talk over ZeroMQ and shared "
+    "memory, which nothing here counts; Ray calls, object-store puts and streamed Ray items are 0",
+}
 
 
 class Snapshot:

@@ -55,7 +55,8 @@ def fixed_deployments(config: dict | None) -> tuple[set[str], dict[str, int]]:
     def add(name: str, deployment: dict) -> None:
         scaling = deployment.get("autoscaling_config") or {}
         if deployment.get("num_replicas", "auto") != "auto" or (
-                scaling and scaling.get("min_replicas", 1) == scaling.get("max_replicas", 1)):
+            scaling and scaling.get("min_replicas", 1) == scaling.get("max_replicas", 1)
+        ):
             fixed.add(name)
         else:
             minimum[name] = scaling.get("min_replicas", 1)
@@ -69,8 +70,9 @@ def fixed_deployments(config: dict | None) -> tuple[set[str], dict[str, int]]:
 
 
 def _describe(kind: str, name: str) -> str:
-    return {"controller": "the Serve controller", "engine": f"{name} (a vLLM engine)",
-            "replica": f"replica {name}"}[kind]
+    return {"controller": "the Serve controller", "engine": f"{name} (a vLLM engine)", "replica": f"replica {name}"}[
+        kind
+    ]
 
 
 def _watched(roots: list[int]) -> dict[int, tuple[str, str]]:
@@ -108,8 +110,11 @@ class Watch:
         return [p.pid for p in self.system.procs]
 
     def _must_last(self) -> dict[int, str]:
-        return {pid: _describe(kind, name) for pid, (kind, name) in self.baseline.items()
-                if kind != "replica" or _deployment(name) in self.fixed}
+        return {
+            pid: _describe(kind, name)
+            for pid, (kind, name) in self.baseline.items()
+            if kind != "replica" or _deployment(name) in self.fixed
+        }
 
     def alive(self) -> str | None:
         """Cheap: a root that exited, or a remembered process that is gone; None while all run."""
@@ -148,8 +153,10 @@ class Watch:
     def _broken(self, problems: list[str]) -> str | None:
         if problems and not self.broken:
             logs = ", ".join(str(log) for log in self.system.logs or []) or "its log"
-            self.broken = (f"{self.system.name}: " + "; ".join(problems) + f" (out of memory? see {logs}, `dmesg`, "
-                           "and for Ray's memory monitor the raylet's log)")
+            self.broken = (
+                f"{self.system.name}: " + "; ".join(problems) + f" (out of memory? see {logs}, `dmesg`, "
+                "and for Ray's memory monitor the raylet's log)"
+            )
         return self.broken
 
 

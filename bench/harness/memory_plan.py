@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench.harness import systems
 
-MiB, GiB = 2 ** 20, 2 ** 30
+MiB, GiB = 2**20, 2**30
 # Measured (PSS, see above) -> the constant:
 RAY_CLUSTER = 800 * MiB  # 693 MiB: runner (the driver) 106, GCS 47, raylet 32, dashboard 74, autoscaler
 #                          monitor 49, log monitor 46, dashboard agent 90, runtime-env agent 49,
@@ -73,8 +73,12 @@ class Estimate:
         return sum(b for _, b in self.parts)
 
     def to_dict(self) -> dict:
-        return {"system": self.system, "replicas": self.replicas, "gib": round(self.total / GiB, 2),
-                "parts": {what: round(b / GiB, 2) for what, b in self.parts}}
+        return {
+            "system": self.system,
+            "replicas": self.replicas,
+            "gib": round(self.total / GiB, 2),
+            "parts": {what: round(b / GiB, 2) for what, b in self.parts},
+        }
 
 
 def weight_bytes(checkpoint: str) -> tuple[int, int] | None:
@@ -114,8 +118,9 @@ def _most_replicas(deployment: dict) -> int:
     return int((deployment.get("autoscaling_config") or {}).get("max_replicas", 1))
 
 
-def estimate(name: str, replicas: int, engine: systems.EngineSettings,
-             weights: tuple[int, int] | None = None) -> Estimate:
+def estimate(
+    name: str, replicas: int, engine: systems.EngineSettings, weights: tuple[int, int] | None = None
+) -> Estimate:
     """Host memory that system `name` with `replicas` decode replicas will hold once it serves
     (module docstring). `weights`: weight_bytes(engine.checkpoint), read here when not given."""
     name = systems.base_system(name)
@@ -164,8 +169,9 @@ def machine_memory() -> tuple[int, int]:
     return memory.available, memory.total
 
 
-def check(batches: list[list[Estimate]], rounds: int, available: int | None = None,
-          total: int | None = None) -> str | None:
+def check(
+    batches: list[list[Estimate]], rounds: int, available: int | None = None, total: int | None = None
+) -> str | None:
     """None when every batch (the systems up at once) fits in the usable memory; otherwise what
     does not fit, with each system's estimate, the memory there is, and what to do."""
     if available is None or total is None:
@@ -174,25 +180,40 @@ def check(batches: list[list[Estimate]], rounds: int, available: int | None = No
     over = [batch for batch in batches if sum(e.total for e in batch) > room]
     if not over:
         return None
-    lines = ["Not started: the systems would not fit in memory (bench/harness/memory_plan.py estimates).",
-             f"Available now: {gib(available)} of {gib(total)}; usable for the systems: {gib(room)} "
-             f"(kept free: {MONITOR_SHARE:.0%} of memory, where Ray's memory monitor starts killing, "
-             f"and {gib(HARNESS)} for the harness)."]
+    lines = [
+        "Not started: the systems would not fit in memory (bench/harness/memory_plan.py estimates).",
+        f"Available now: {gib(available)} of {gib(total)}; usable for the systems: {gib(room)} "
+        f"(kept free: {MONITOR_SHARE:.0%} of memory, where Ray's memory monitor starts killing, "
+        f"and {gib(HARNESS)} for the harness).",
+    ]
     for batch in over:
         together = "up together (--rounds)" if len(batch) > 1 else "alone"
         lines.append(f"{gib(sum(e.total for e in batch))} needed {together}:")
-        lines += [f"  {e.system} x{e.replicas}: {gib(e.total)} (" + ", ".join(
-            f"{what} {gib(size)}" for what, size in e.parts if size) + ")" for e in batch]
+        lines += [
+            f"  {e.system} x{e.replicas}: {gib(e.total)} ("
+            + ", ".join(f"{what} {gib(size)}" for what, size in e.parts if size)
+            + ")"
+            for e in batch
+        ]
     advice = ["fewer --systems"] if any(len(b) > 1 for b in over) else []
-    advice += (["no --rounds (one system up at a time)"] if rounds > 1 else [])
-    advice += ["fewer --replicas", "a smaller model", "close what else holds memory",
-               "or --ignore-memory-estimate if you know better"]
+    advice += ["no --rounds (one system up at a time)"] if rounds > 1 else []
+    advice += [
+        "fewer --replicas",
+        "a smaller model",
+        "close what else holds memory",
+        "or --ignore-memory-estimate if you know better",
+    ]
     lines.append("Try: " + "; ".join(advice) + ".")
     return "\n".join(lines)
 
 
-def refuse_unless_fits(groups: list[list[str]], replica_counts: list[int], engine: systems.EngineSettings,
-                       rounds: int, ignore: bool = False) -> dict:
+def refuse_unless_fits(
+    groups: list[list[str]],
+    replica_counts: list[int],
+    engine: systems.EngineSettings,
+    rounds: int,
+    ignore: bool = False,
+) -> dict:
     """For `python -m bench compare`: `groups[i]`, the systems to run at `replica_counts[i]` replicas,
     up together with rounds > 1, else one at a time. Raises DoesNotFit before anything starts when
     they would not fit, unless `ignore` (then says so on stderr); returns the estimates for the record."""
@@ -205,6 +226,10 @@ def refuse_unless_fits(groups: list[list[str]], replica_counts: list[int], engin
         raise DoesNotFit(problem)
     if problem:
         print(f"{problem}\n--ignore-memory-estimate: starting them anyway.", file=sys.stderr)
-    return {"available_gib": round(available / GiB, 1), "total_gib": round(total / GiB, 1),
-            "usable_gib": round(usable(available, total) / GiB, 1), "fits": problem is None,
-            "estimates": [e.to_dict() for batch in batches for e in batch]}
+    return {
+        "available_gib": round(available / GiB, 1),
+        "total_gib": round(total / GiB, 1),
+        "usable_gib": round(usable(available, total) / GiB, 1),
+        "fits": problem is None,
+        "estimates": [e.to_dict() for batch in batches for e in batch],
+    }

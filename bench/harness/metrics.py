@@ -1,19 +1,19 @@
 """Counters read from each system's Prometheus endpoint, before and after a load point.
 
-    encoder_runs     vision-encoder runs. Iris: keys its VisionEncoder computed
-                     (`iris_feature_cache_events{event="computations"}`). vLLM-based peers count no
-                     encoder runs; their multimodal processor-cache misses
-                     (`vllm:mm_cache_queries - vllm:mm_cache_hits`) are used instead:
-                     an image that misses that cache is processed and encoded, and
-                     one that hits it is served from the prefix cache or re-encoded
-                     only if its KV blocks were evicted (rare at these sizes).
-    preprocess_runs  Iris only: images through Preprocess.
-    stage_seconds    Iris only: (sum, count) of its stage histograms, for a mean per
-                     stage: preprocess (one image), encoder batch (one forward pass),
-                     ttft (ingress arrival to first token, server side).
-    prefix           per replica, (prompt tokens served from vLLM's prefix cache,
-                     prompt tokens looked up). Iris: its own per-replica counters;
-                     peers: vLLM's `prefix_cache_hits` / `prefix_cache_queries`.
+encoder_runs     vision-encoder runs. Iris: keys its VisionEncoder computed
+                 (`iris_feature_cache_events{event="computations"}`). vLLM-based peers count no
+                 encoder runs; their multimodal processor-cache misses
+                 (`vllm:mm_cache_queries - vllm:mm_cache_hits`) are used instead:
+                 an image that misses that cache is processed and encoded, and
+                 one that hits it is served from the prefix cache or re-encoded
+                 only if its KV blocks were evicted (rare at these sizes).
+preprocess_runs  Iris only: images through Preprocess.
+stage_seconds    Iris only: (sum, count) of its stage histograms, for a mean per
+                 stage: preprocess (one image), encoder batch (one forward pass),
+                 ttft (ingress arrival to first token, server side).
+prefix           per replica, (prompt tokens served from vLLM's prefix cache,
+                 prompt tokens looked up). Iris: its own per-replica counters;
+                 peers: vLLM's `prefix_cache_hits` / `prefix_cache_queries`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # Labels that name the replica a sample comes from (Ray Serve tags every metric).
 _REPLICA_LABELS = ("replica", "ReplicaId", "replica_id")
@@ -37,7 +37,7 @@ class Counters:
     prefix: dict[str, list[float]] = field(default_factory=dict)  # replica -> [hit tokens, queried tokens]
     stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # stage -> [sum, count]
 
-    def minus(self, before: "Counters") -> "Counters":
+    def minus(self, before: Counters) -> Counters:
         prefix = {r: _sub(v, before.prefix.get(r, [0.0, 0.0])) for r, v in self.prefix.items()}
         stages = {s: _sub(v, before.stage_seconds.get(s, [0.0, 0.0])) for s, v in self.stage_seconds.items()}
         pre = None if self.preprocess_runs is None else self.preprocess_runs - (before.preprocess_runs or 0.0)
@@ -65,8 +65,11 @@ def _sub(a: list[float], b: list[float]) -> list[float]:
 
 
 # Iris's stage histograms: stage name -> metric base name.
-IRIS_STAGES = {"preprocess": "ray_iris_preprocess_seconds", "encoder_batch": "ray_iris_encoder_batch_seconds",
-               "ttft_server": "ray_iris_ttft_seconds"}
+IRIS_STAGES = {
+    "preprocess": "ray_iris_preprocess_seconds",
+    "encoder_batch": "ray_iris_encoder_batch_seconds",
+    "ttft_server": "ray_iris_ttft_seconds",
+}
 
 
 def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -108,17 +111,23 @@ def scrape(system: str, urls: list[str]) -> Counters:
         samples = parse(httpx.get(url, timeout=10).text)
         if system.startswith("iris"):
             # Keys the VisionEncoder computed (the batch-size histogram's exported sum is not exact).
-            counters.encoder_runs += sum(v for n, labels, v in samples if n == "ray_iris_feature_cache_events_total"
-                                         and labels.get("event") == "computations"
-                                         and labels.get("deployment") == "VisionEncoder")
+            counters.encoder_runs += sum(
+                v
+                for n, labels, v in samples
+                if n == "ray_iris_feature_cache_events_total"
+                and labels.get("event") == "computations"
+                and labels.get("deployment") == "VisionEncoder"
+            )
             counters.preprocess_runs = (counters.preprocess_runs or 0.0) + _total(
-                samples, "ray_iris_preprocess_seconds_count")
+                samples, "ray_iris_preprocess_seconds_count"
+            )
             for stage, base in IRIS_STAGES.items():
                 total = counters.stage_seconds.setdefault(stage, [0.0, 0.0])
                 total[0] += _total(samples, f"{base}_sum")
                 total[1] += _total(samples, f"{base}_count")
-            hits_name = _first_present(samples, "ray_iris_vllm_prefix_cache_hit_tokens_total",
-                                       "ray_iris_vllm_prefix_cache_hit_tokens")
+            hits_name = _first_present(
+                samples, "ray_iris_vllm_prefix_cache_hit_tokens_total", "ray_iris_vllm_prefix_cache_hit_tokens"
+            )
             queries_name = _first_present(samples, "ray_iris_vllm_prompt_tokens_total", "ray_iris_vllm_prompt_tokens")
         else:
             prefix_ = "ray_vllm_" if system.startswith("rayllm") else "vllm:"
@@ -126,8 +135,9 @@ def scrape(system: str, urls: list[str]) -> Counters:
             hits = _first_present(samples, f"{prefix_}mm_cache_hits_total", f"{prefix_}mm_cache_hits")
             counters.encoder_runs += _total(samples, queries) - _total(samples, hits)
             hits_name = _first_present(samples, f"{prefix_}prefix_cache_hits_total", f"{prefix_}prefix_cache_hits")
-            queries_name = _first_present(samples, f"{prefix_}prefix_cache_queries_total",
-                                          f"{prefix_}prefix_cache_queries")
+            queries_name = _first_present(
+                samples, f"{prefix_}prefix_cache_queries_total", f"{prefix_}prefix_cache_queries"
+            )
         for replica, value in _by_replica(samples, hits_name, f"server{i}").items():
             prefix[replica][0] += value
         for replica, value in _by_replica(samples, queries_name, f"server{i}").items():

@@ -135,8 +135,12 @@ def _on_signal(signum: int, _frame) -> None:
     try:
         count = len(registered())
         if count:
-            print(f"\nbench: {name}: continuing and stopping the {count} system process session(s) the harness "
-                  f"started (up to {SIGNAL_GRACE_S:.0f} s; again to kill them at once)", file=sys.stderr, flush=True)
+            print(
+                f"\nbench: {name}: continuing and stopping the {count} system process session(s) the harness "
+                f"started (up to {SIGNAL_GRACE_S:.0f} s; again to kill them at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         stop_all()
     finally:
         _stopping.clear()

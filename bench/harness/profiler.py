@@ -74,11 +74,25 @@ class Profiler:
         py_spy = str(Path(sys.executable).parent / "py-spy")
         for name, pid in serving_processes(roots).items():
             raw = self.out_dir / f".pyspy-{self.tag}-{label}-{name}.txt"
-            proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw",
-                                     "--output", str(raw), "--nonblocking"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    # py-spy writes its output on SIGINT, which background jobs ignore.
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            proc = subprocess.Popen(
+                [
+                    py_spy,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    "100",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(raw),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                # py-spy writes its output on SIGINT, which background jobs ignore.
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
             self.running.append((f"{label}_{name}", proc, raw))
 
     def stop(self) -> list[Path]:

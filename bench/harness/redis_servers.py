@@ -33,8 +33,20 @@ class RedisProcess:
         # took seconds). Removed when the server is killed, so no run leaves one behind.
         self.dir = tempfile.mkdtemp(prefix=f"iris-redis-{self.port}-")
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, *self.extra_args],
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                *self.extra_args,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             cwd=self.dir,
@@ -70,23 +82,43 @@ class RedisClusterProcesses:
         for _ in range(masters * (1 + replicas)):
             port = free_node_port(exclude=self.nodes)
             self.nodes[port] = RedisProcess(
-                port, "--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / f"nodes-{port}.conf"),
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                port,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.dir / f"nodes-{port}.conf"),
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
                 # The other masters keep serving while one master's slots are uncovered.
-                "--cluster-require-full-coverage", "no", "--dir", str(self.dir))
+                "--cluster-require-full-coverage",
+                "no",
+                "--dir",
+                str(self.dir),
+            )
         self.replicas = replicas
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{next(iter(self.nodes))}/0"
 
-    def start(self) -> "RedisClusterProcesses":
+    def start(self) -> RedisClusterProcesses:
         try:
             for node in self.nodes.values():
                 node.start()
-            subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.nodes),
-                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                           check=True, capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{p}" for p in self.nodes),
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             self.wait_until(lambda: self.healthy(), 30, "the cluster did not become healthy")
         except BaseException:
             self.stop()
@@ -110,16 +142,25 @@ class RedisClusterProcesses:
                 nodes = self.client(port).execute_command("CLUSTER NODES")  # parsed by redis-py
             except redis.RedisError:
                 continue
-            return [{"id": n["node_id"], "port": int(address.split("@")[0].rsplit(":", 1)[1]),
-                     "flags": set(n["flags"].split(",")), "master": n["master_id"],
-                     "slots": [(int(r[0]), int(r[-1])) for r in n["slots"]]}
-                    for address, n in nodes.items()]
+            return [
+                {
+                    "id": n["node_id"],
+                    "port": int(address.split("@")[0].rsplit(":", 1)[1]),
+                    "flags": set(n["flags"].split(",")),
+                    "master": n["master_id"],
+                    "slots": [(int(r[0]), int(r[-1])) for r in n["slots"]],
+                }
+                for address, n in nodes.items()
+            ]
         raise RuntimeError("no live node")
 
     def masters(self, nodes: list[dict] | None = None) -> list[int]:
         """Ports of the live masters that own slots (of `nodes`, else of CLUSTER NODES now)."""
-        return sorted(n["port"] for n in (nodes or self.cluster_nodes())
-                      if "master" in n["flags"] and "fail" not in n["flags"] and n["slots"])
+        return sorted(
+            n["port"]
+            for n in (nodes or self.cluster_nodes())
+            if "master" in n["flags"] and "fail" not in n["flags"] and n["slots"]
+        )
 
     def healthy(self) -> bool:
         try:

@@ -28,10 +28,12 @@ PROVENANCE_KEYS = ("commit", "command", "started", "machine")
 def git_commit() -> str:
     """HEAD, with "-dirty" when tracked files differ from it; "unknown" outside a checkout."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -44,14 +46,17 @@ def gpu_names() -> list[str]:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=30)
+            out = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            )
             if out.returncode == 0:
                 return [line.strip() for line in out.stdout.splitlines() if line.strip()]
         except (OSError, subprocess.TimeoutExpired):
             pass
-    probe = ("import torch\nif torch.cuda.is_available():\n"
-             "    print('\\n'.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))")
+    probe = (
+        "import torch\nif torch.cuda.is_available():\n"
+        "    print('\\n'.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))"
+    )
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
@@ -62,17 +67,23 @@ def gpu_names() -> list[str]:
 def detect_machine() -> dict:
     """The machine this process runs on, as detected now."""
     cpus = os.cpu_count() or 1
-    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     gpus = gpu_names()
-    machine = {"cpus": cpus, "cpus_usable": len(os.sched_getaffinity(0)), "memory_gib": memory_gib,
-               "gpus": gpus, "platform": platform.platform(), "arch": platform.machine(),
-               "python": platform.python_version()}
+    machine = {
+        "cpus": cpus,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": memory_gib,
+        "gpus": gpus,
+        "platform": platform.platform(),
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+    }
     machine["description"] = describe(machine)
     return machine
 
 
 def describe(machine: dict) -> str:
-    """"2-CPU x86_64 machine with 24 GiB, no GPU"; GPUs by name and count where there are any."""
+    """ "2-CPU x86_64 machine with 24 GiB, no GPU"; GPUs by name and count where there are any."""
     gpus = machine["gpus"]
     if gpus:
         counted = {name: gpus.count(name) for name in dict.fromkeys(gpus)}
@@ -97,9 +108,12 @@ def command_line(experiment: str, argv: list[str]) -> str:
 
 def provenance(command: str) -> dict:
     """The record every results file starts with."""
-    return {"commit": git_commit(), "command": command,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": detect_machine()}
+    return {
+        "commit": git_commit(),
+        "command": command,
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": detect_machine(),
+    }
 
 
 def save(run: dict, path: Path, markdown: str | None = None) -> Path:
@@ -116,5 +130,6 @@ def save(run: dict, path: Path, markdown: str | None = None) -> Path:
 
 def parser(experiment: str, doc: str | None) -> argparse.ArgumentParser:
     """An experiment's argument parser, named as it is run: `python -m bench <experiment>`."""
-    return argparse.ArgumentParser(prog=f"{PROG} {experiment}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"{PROG} {experiment}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )

@@ -41,10 +41,13 @@ class RoundRobinProxy:
         backend = next(self._next)
         self.requests += 1
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
-        async with self._session.request(request.method, backend + request.path_qs, data=await request.read(),
-                                         headers=headers) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={
-                "content-type": upstream.headers.get("content-type", "application/octet-stream")})
+        async with self._session.request(
+            request.method, backend + request.path_qs, data=await request.read(), headers=headers
+        ) as upstream:
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers={"content-type": upstream.headers.get("content-type", "application/octet-stream")},
+            )
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
@@ -52,9 +55,10 @@ class RoundRobinProxy:
             return response
 
     async def _start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                              connector=aiohttp.TCPConnector(limit=0))
-        app = web.Application(client_max_size=64 * 2 ** 20)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
+        app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._forward)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -64,7 +68,7 @@ class RoundRobinProxy:
         await self._runner.cleanup()
         await self._session.close()
 
-    def __enter__(self) -> "RoundRobinProxy":
+    def __enter__(self) -> RoundRobinProxy:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
         return self

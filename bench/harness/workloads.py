@@ -36,10 +36,18 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-WORDS = ("picture scene colour light shape object corner detail texture pattern shadow edge centre "
-         "background foreground left right top bottom bright dark small large").split()
-QUESTIONS = ("What is in this picture?", "Describe the colours you see.", "Is there any text in it?",
-             "What stands out the most?", "Describe the left half.", "And the right half?")
+WORDS = (
+    "picture scene colour light shape object corner detail texture pattern shadow edge centre "
+    "background foreground left right top bottom bright dark small large"
+).split()
+QUESTIONS = (
+    "What is in this picture?",
+    "Describe the colours you see.",
+    "Is there any text in it?",
+    "What stands out the most?",
+    "Describe the left half.",
+    "And the right half?",
+)
 
 
 @dataclass(frozen=True)
@@ -98,9 +106,15 @@ class Workload:
     @property
     def distinct_images(self) -> int:
         """Distinct images and clips."""
-        return len({(t.image.seed, t.image.width, t.image.height, t.image.fmt)
-                    for c in self.conversations for t in c.turns if t.image is not None} |
-                   {t.video for c in self.conversations for t in c.turns if t.video is not None})
+        return len(
+            {
+                (t.image.seed, t.image.width, t.image.height, t.image.fmt)
+                for c in self.conversations
+                for t in c.turns
+                if t.image is not None
+            }
+            | {t.video for c in self.conversations for t in c.turns if t.video is not None}
+        )
 
 
 def _photo(seed: int, width: int, height: int) -> np.ndarray:
@@ -154,7 +168,7 @@ def hash_str(text: str) -> int:
 
 
 def _zipf_weights(n: int, s: float) -> list[float]:
-    return [1 / (rank ** s) for rank in range(1, n + 1)]
+    return [1 / (rank**s) for rank in range(1, n + 1)]
 
 
 class WorkloadFactory:
@@ -174,7 +188,7 @@ class WorkloadFactory:
         return random.Random(f"{self.seed}:{name}")
 
     def _image_seed(self, name: str, i: int) -> int:
-        return (hash_str(f"{self.seed}:{name}") + i) % (2 ** 63)
+        return (hash_str(f"{self.seed}:{name}") + i) % (2**63)
 
     def _small(self, name: str, i: int, uid: str | None = None) -> ImageSpec:
         return ImageSpec(self._image_seed(name, i), self.small_px, self.small_px, "JPEG", uid)
@@ -200,9 +214,13 @@ class WorkloadFactory:
             else:
                 image = self._small("zipf-new", i)
             convs.append(self._single("zipf", rng, image))
-        return Workload("zipf", convs, self.max_tokens,
-                        f"{repeat_share:.0%} of requests reuse a pool of {pool} images (Zipf s={s}), the rest new",
-                        {"repeat_share": repeat_share, "pool": pool, "s": s})
+        return Workload(
+            "zipf",
+            convs,
+            self.max_tokens,
+            f"{repeat_share:.0%} of requests reuse a pool of {pool} images (Zipf s={s}), the rest new",
+            {"repeat_share": repeat_share, "pool": pool, "s": s},
+        )
 
     def multiturn(self, n: int, turns: int = 3) -> Workload:
         """n requests in conversations of `turns` turns; each conversation has its own image."""
@@ -210,22 +228,35 @@ class WorkloadFactory:
         convs = []
         for c in range((n + turns - 1) // turns):
             image = self._small("multiturn", c)
-            convs.append(Conversation([Turn(_text(rng, self.prompt_words // 2), image if t == 0 else None)
-                                       for t in range(turns)]))
-        return Workload("multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one image",
-                        {"turns": turns})
+            convs.append(
+                Conversation(
+                    [Turn(_text(rng, self.prompt_words // 2), image if t == 0 else None) for t in range(turns)]
+                )
+            )
+        return Workload(
+            "multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one image", {"turns": turns}
+        )
 
     def upload_free(self, n: int, pool: int = 8, s: float = 1.1) -> Workload:
         rng = self._rng("upload_free")
         weights = _zipf_weights(pool, s)
-        run = hash_str(f"{self.seed}:uuids") % 10 ** 8  # uuids of one seed; another seed never hits them
+        run = hash_str(f"{self.seed}:uuids") % 10**8  # uuids of one seed; another seed never hits them
         convs = []
         for _ in range(n):
             i = rng.choices(range(pool), weights)[0]
-            convs.append(Conversation([Turn(_text(rng, self.prompt_words),
-                                            self._small("upload_free", i, f"bench-{run}-{i}"))], upload_free=True))
-        return Workload("upload_free", convs, self.max_tokens,
-                        f"uuid first, bytes resent on a miss; {pool} images drawn Zipf-style", {"pool": pool})
+            convs.append(
+                Conversation(
+                    [Turn(_text(rng, self.prompt_words), self._small("upload_free", i, f"bench-{run}-{i}"))],
+                    upload_free=True,
+                )
+            )
+        return Workload(
+            "upload_free",
+            convs,
+            self.max_tokens,
+            f"uuid first, bytes resent on a miss; {pool} images drawn Zipf-style",
+            {"pool": pool},
+        )
 
     def repeat(self, n: int) -> Workload:
         rng = self._rng("repeat")
@@ -234,8 +265,9 @@ class WorkloadFactory:
 
     def large(self, n: int, width: int = 4000, height: int = 3000) -> Workload:
         rng = self._rng("large")
-        convs = [self._single("large", rng, ImageSpec(self._image_seed("large", i), width, height, "JPEG"))
-                 for i in range(n)]
+        convs = [
+            self._single("large", rng, ImageSpec(self._image_seed("large", i), width, height, "JPEG")) for i in range(n)
+        ]
         return Workload("large", convs, self.max_tokens, f"a new {width}x{height} JPEG every request")
 
     def text(self, n: int) -> Workload:
@@ -249,8 +281,13 @@ class WorkloadFactory:
         rng = self._rng("text_as_image")
         base = len(" ".join(["x" * 6] * self.prompt_words))
         convs = [Conversation([Turn(_text(rng, self.prompt_words, base + image_chars))]) for _ in range(n)]
-        return Workload("text_as_image", convs, self.max_tokens,
-                        f"text only, {image_chars} characters more (an image's tokens)", {"image_chars": image_chars})
+        return Workload(
+            "text_as_image",
+            convs,
+            self.max_tokens,
+            f"text only, {image_chars} characters more (an image's tokens)",
+            {"image_chars": image_chars},
+        )
 
     # --- video --------------------------------------------------------------------
     def _clip(self, name: str, i: int) -> VideoSpec:
@@ -258,23 +295,32 @@ class WorkloadFactory:
 
     def video_unique(self, n: int) -> Workload:
         rng = self._rng("video_unique")
-        convs = [Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_unique", i))])
-                 for i in range(n)]
+        convs = [
+            Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_unique", i))]) for i in range(n)
+        ]
         return Workload("video_unique", convs, self.max_tokens, "a new clip every request")
 
     def video_repeat(self, n: int) -> Workload:
         rng = self._rng("video_repeat")
-        convs = [Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_repeat", 0))])
-                 for _ in range(n)]
+        convs = [
+            Conversation([Turn(_text(rng, self.prompt_words), video=self._clip("video_repeat", 0))]) for _ in range(n)
+        ]
         return Workload("video_repeat", convs, self.max_tokens, "the same clip every request, a new question each time")
 
     def video_multiturn(self, n: int, turns: int = 3) -> Workload:
         rng = self._rng("video_multiturn")
-        convs = [Conversation([Turn(_text(rng, self.prompt_words // 2),
-                                    video=self._clip("video_multiturn", c) if t == 0 else None)
-                               for t in range(turns)]) for c in range((n + turns - 1) // turns)]
-        return Workload("video_multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one clip",
-                        {"turns": turns})
+        convs = [
+            Conversation(
+                [
+                    Turn(_text(rng, self.prompt_words // 2), video=self._clip("video_multiturn", c) if t == 0 else None)
+                    for t in range(turns)
+                ]
+            )
+            for c in range((n + turns - 1) // turns)
+        ]
+        return Workload(
+            "video_multiturn", convs, self.max_tokens, f"conversations of {turns} turns on one clip", {"turns": turns}
+        )
 
 
 @dataclass(frozen=True)
@@ -314,8 +360,12 @@ def large_image_workload(factory: WorkloadFactory, n: int, first_label: int, poo
     for i in range(n):
         turn = photos.conversations[i % pool].turns[0]
         convs.append(Conversation([Turn(turn.text, RelabelledJpeg(turn.image, first_label + i))]))
-    return Workload("large_relabelled", convs, factory.max_tokens,
-                    f"a new 4000x3000 JPEG every request ({pool} photos, each request's bytes unique)")
+    return Workload(
+        "large_relabelled",
+        convs,
+        factory.max_tokens,
+        f"a new 4000x3000 JPEG every request ({pool} photos, each request's bytes unique)",
+    )
 
 
 def image_prompt_chars(checkpoint: str, small_px: int) -> int:
@@ -333,8 +383,7 @@ def chat_messages(history: list[dict], turn: Turn, with_bytes: bool) -> list[dic
     if turn.video is not None:
         content.append({"type": "video_url", "video_url": {"url": turn.video.data_url}})
     if turn.image is not None:
-        part: dict = {"type": "image_url",
-                      "image_url": {"url": turn.image.data_url} if with_bytes else None}
+        part: dict = {"type": "image_url", "image_url": {"url": turn.image.data_url} if with_bytes else None}
         if turn.image.uuid is not None:
             part["uuid"] = turn.image.uuid
         content.append(part)

@@ -31,8 +31,13 @@ DATA_URL = b'"data:'
 WALK_BUDGET = 10_000
 
 
-async def read_body(pieces: AsyncIterator[bytes], declared_length: str | None, max_bytes: int,
-                    max_text: int | None = None, media_strings: int = 0) -> bytearray | None:
+async def read_body(
+    pieces: AsyncIterator[bytes],
+    declared_length: str | None,
+    max_bytes: int,
+    max_text: int | None = None,
+    media_strings: int = 0,
+) -> bytearray | None:
     """An HTTP body's bytes; 413 as soon as it passes `max_bytes` (nothing more is read).
 
     With `max_text`: None once the body's text (TextMeter) passes it. The rest is read, up to
@@ -157,8 +162,12 @@ def _depth_exceeds(value: Any, max_depth: int, raw: bytes) -> bool:
             if not _may_exceed(raw, max_depth):
                 return False
             bounded = True
-        children = [c for node in level for c in (node.values() if isinstance(node, dict) else node)
-                    if isinstance(c, (dict, list))]
+        children = [
+            c
+            for node in level
+            for c in (node.values() if isinstance(node, dict) else node)
+            if isinstance(c, (dict, list))
+        ]
         if children and depth == max_depth:
             return True
         level = [c for c in children if c]  # an empty container adds no deeper level

@@ -16,8 +16,11 @@ from cache_service.keys import MAX_UUID_CHARS
 from pipeline.errors import bad_request
 
 # Content part type -> (modality, the field its URL is in).
-PART_TYPES = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"),
-              "input_image": ("image", "image_url")}
+PART_TYPES = {
+    "image_url": ("image", "image_url"),
+    "video_url": ("video", "video_url"),
+    "input_image": ("image", "image_url"),
+}
 
 
 # Per-request settings of the image path, which is the server's (one setting for every stage).
@@ -58,21 +61,31 @@ def media_items(body: Any, route: str, limits: dict[str, int]) -> list[MediaItem
             if not uuid.strip():
                 raise bad_request(f"{where}.uuid must be a non-empty string", param=f"{where}.uuid")
             if len(uuid) > MAX_UUID_CHARS:
-                raise bad_request(f"{where}.uuid is {len(uuid)} characters long; at most {MAX_UUID_CHARS} are "
-                                  "allowed", param=f"{where}.uuid")
+                raise bad_request(
+                    f"{where}.uuid is {len(uuid)} characters long; at most {MAX_UUID_CHARS} are allowed",
+                    param=f"{where}.uuid",
+                )
         if url is None and uuid is None:
             what = "an image" if modality == "image" else "a video"
-            raise bad_request(f"{where} needs {field}.url, or a uuid that refers to {what} sent earlier",
-                              param=f"{where}.{field}")
+            raise bad_request(
+                f"{where} needs {field}.url, or a uuid that refers to {what} sent earlier", param=f"{where}.{field}"
+            )
         ordinal = counts.get(modality, 0)
         counts[modality] = ordinal + 1
         if counts[modality] > limits.get(modality, 0):
             limit = limits.get(modality, 0)
             if not limit:
-                raise bad_request(f"this server takes no {modality} input (its limit per prompt is 0)",
-                                  param=where, code=f"too_many_{modality}s")
-            raise bad_request(f"At most {limit} {modality}(s) may be provided in one request (the server's limit "
-                              "per prompt, as vLLM's --limit-mm-per-prompt)", param=where, code=f"too_many_{modality}s")
+                raise bad_request(
+                    f"this server takes no {modality} input (its limit per prompt is 0)",
+                    param=where,
+                    code=f"too_many_{modality}s",
+                )
+            raise bad_request(
+                f"At most {limit} {modality}(s) may be provided in one request (the server's limit "
+                "per prompt, as vLLM's --limit-mm-per-prompt)",
+                param=where,
+                code=f"too_many_{modality}s",
+            )
         items.append(MediaItem(len(items), modality, ordinal, url, uuid, part, where))
     return items
 
@@ -117,9 +130,13 @@ def request_models() -> dict:
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-    return {"chat": TypeAdapter(ChatCompletionRequest), "completion": TypeAdapter(CompletionRequest),
-            "responses": TypeAdapter(ResponsesRequest), "tokenize": TypeAdapter(TokenizeRequest),
-            "detokenize": TypeAdapter(DetokenizeRequest)}
+    return {
+        "chat": TypeAdapter(ChatCompletionRequest),
+        "completion": TypeAdapter(CompletionRequest),
+        "responses": TypeAdapter(ResponsesRequest),
+        "tokenize": TypeAdapter(TokenizeRequest),
+        "detokenize": TypeAdapter(DetokenizeRequest),
+    }
 
 
 def parse_request(models: dict, route: str, body: Any, limits: dict[str, int]) -> tuple[Any, list[MediaItem]]:
@@ -129,7 +146,10 @@ def parse_request(models: dict, route: str, body: Any, limits: dict[str, int]) -
     items = media_items(request, route, limits)
     for name in SERVER_MEDIA_SETTINGS:
         if items and getattr(request, name, None):
-            raise bad_request(f"{name} is not supported per request by this server: its images and videos are "
-                              f"processed by its own stages, with the server's engine_args.{name}",
-                              param=name, code="unsupported_parameter")
+            raise bad_request(
+                f"{name} is not supported per request by this server: its images and videos are "
+                f"processed by its own stages, with the server's engine_args.{name}",
+                param=name,
+                code="unsupported_parameter",
+            )
     return request, items

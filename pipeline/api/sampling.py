@@ -22,5 +22,9 @@ def check_max_tokens(req: Any, limit: int | None) -> None:
     wanted = getattr(req, param) if param else None
     if limit is None or wanted is None or wanted <= limit:
         return
-    raise bad_request(f"{param} is too large: {wanted}. This server allows at most {limit} completion tokens "
-                      f"per request, whereas you provided {wanted}.", param=param, code="invalid_value")
+    raise bad_request(
+        f"{param} is too large: {wanted}. This server allows at most {limit} completion tokens "
+        f"per request, whereas you provided {wanted}.",
+        param=param,
+        code="invalid_value",
+    )

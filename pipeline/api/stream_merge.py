@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 _END = object()
 
 
-async def merged_outputs(outputs: AsyncIterator, interval_s: float,
-                         last: Callable[[object], bool] = lambda out: out.finished) -> AsyncIterator[list]:
+async def merged_outputs(
+    outputs: AsyncIterator, interval_s: float, last: Callable[[object], bool] = lambda out: out.finished
+) -> AsyncIterator[list]:
     """Items in lists: the first alone at once, then whatever arrived while the previous
     list was sent, at most one list per `interval_s`; the `last` item goes as soon as it
     arrives (waiting would only delay the answer)."""

@@ -16,34 +16,40 @@ from dataclasses import dataclass
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-BLOCKED_V4 = tuple(ipaddress.IPv4Network(n) for n in (
-    "0.0.0.0/8",        # "this network", incl. the unspecified 0.0.0.0
-    "10.0.0.0/8",       # private
-    "100.64.0.0/10",    # carrier-grade NAT
-    "127.0.0.0/8",      # loopback
-    "169.254.0.0/16",   # link-local, incl. cloud metadata 169.254.169.254
-    "172.16.0.0/12",    # private
-    "192.0.0.0/24",     # IETF protocol assignments
-    "192.0.2.0/24",     # documentation
-    "192.88.99.0/24",   # 6to4 relay anycast
-    "192.168.0.0/16",   # private
-    "198.18.0.0/15",    # benchmarking
-    "198.51.100.0/24",  # documentation
-    "203.0.113.0/24",   # documentation
-    "224.0.0.0/4",      # multicast
-    "240.0.0.0/4",      # reserved, incl. broadcast 255.255.255.255
-))
-BLOCKED_V6 = tuple(ipaddress.IPv6Network(n) for n in (
-    "::/8",             # unspecified, loopback, IPv4-compatible (mapped ones are unwrapped first)
-    "64:ff9b:1::/48",   # local-use NAT64
-    "100::/64",         # discard
-    "2001::/23",        # IETF protocol assignments, incl. Teredo
-    "2001:db8::/32",    # documentation
-    "fc00::/7",         # unique local
-    "fe80::/10",        # link-local
-    "fec0::/10",        # site-local (deprecated)
-    "ff00::/8",         # multicast
-))
+BLOCKED_V4 = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",  # "this network", incl. the unspecified 0.0.0.0
+        "10.0.0.0/8",  # private
+        "100.64.0.0/10",  # carrier-grade NAT
+        "127.0.0.0/8",  # loopback
+        "169.254.0.0/16",  # link-local, incl. cloud metadata 169.254.169.254
+        "172.16.0.0/12",  # private
+        "192.0.0.0/24",  # IETF protocol assignments
+        "192.0.2.0/24",  # documentation
+        "192.88.99.0/24",  # 6to4 relay anycast
+        "192.168.0.0/16",  # private
+        "198.18.0.0/15",  # benchmarking
+        "198.51.100.0/24",  # documentation
+        "203.0.113.0/24",  # documentation
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, incl. broadcast 255.255.255.255
+    )
+)
+BLOCKED_V6 = tuple(
+    ipaddress.IPv6Network(n)
+    for n in (
+        "::/8",  # unspecified, loopback, IPv4-compatible (mapped ones are unwrapped first)
+        "64:ff9b:1::/48",  # local-use NAT64
+        "100::/64",  # discard
+        "2001::/23",  # IETF protocol assignments, incl. Teredo
+        "2001:db8::/32",  # documentation
+        "fc00::/7",  # unique local
+        "fe80::/10",  # link-local
+        "fec0::/10",  # site-local (deprecated)
+        "ff00::/8",  # multicast
+    )
+)
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 
 
@@ -85,8 +91,9 @@ class FetchPolicy:
     allowed_networks: tuple[IPNetwork, ...] = ()
 
     @classmethod
-    def build(cls, hosts: frozenset[str] | set[str] = frozenset(),
-              cidrs: frozenset[str] | set[str] = frozenset()) -> FetchPolicy:
+    def build(
+        cls, hosts: frozenset[str] | set[str] = frozenset(), cidrs: frozenset[str] | set[str] = frozenset()
+    ) -> FetchPolicy:
         networks = tuple(sorted((ipaddress.ip_network(c, strict=False) for c in cidrs), key=str))
         return cls(frozenset(normalize_host(h) for h in hosts), networks)
 

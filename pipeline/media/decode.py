@@ -21,8 +21,7 @@ if TYPE_CHECKING:
     from vllm.multimodal.media import ImageMediaIO
 
 
-def decode_image(data: bytes, limits: MediaLimits, image_io: ImageMediaIO, *,
-                 param: str | None = None) -> Image.Image:
+def decode_image(data: bytes, limits: MediaLimits, image_io: ImageMediaIO, *, param: str | None = None) -> Image.Image:
     """Check image bytes against the limits, then decode them with `image_io` (vLLM's
     ImageMediaIO, e.g. VisionModel.image_io): the image `vllm serve` would see.
 
@@ -96,11 +95,19 @@ def check_video(data: bytes, limits: MediaLimits, *, param: str | None = None) -
     if width <= 0 or height <= 0 or frames <= 0:
         raise bad_request(f"video has no readable frames ({width}x{height}, {frames} frames)", param, "invalid_video")
     for value, limit, what, knob in (
-        (width * height, limits.max_video_frame_pixels, f"has frames of {width}x{height} = {width * height} pixels",
-         "max_video_frame_pixels"),
+        (
+            width * height,
+            limits.max_video_frame_pixels,
+            f"has frames of {width}x{height} = {width * height} pixels",
+            "max_video_frame_pixels",
+        ),
         (frames, limits.max_video_frames, f"has {frames} frames", "max_video_frames"),
-        (frames / fps if fps > 0 else 0.0, limits.max_video_duration_s,
-         f"is {frames / fps if fps > 0 else 0.0:.1f} s long", "max_video_duration_s"),
+        (
+            frames / fps if fps > 0 else 0.0,
+            limits.max_video_duration_s,
+            f"is {frames / fps if fps > 0 else 0.0:.1f} s long",
+            "max_video_duration_s",
+        ),
     ):
         if value > limit:
             raise bad_request(f"video {what}; the limit is {limit:g} ({knob})", param, "video_too_large")

@@ -36,6 +36,7 @@ from pipeline.media.limits import MediaLimits, too_large_bytes
 
 logger = logging.getLogger(__name__)
 
+
 def fetch_client(limits: MediaLimits) -> GuardedClient:
     """A pooled http client for load_media_bytes that enforces the limits' SSRF policy."""
     return GuardedClient(limits.fetch_policy(), limits.fetch_timeout_s)
@@ -72,8 +73,7 @@ async def load_media_bytes(
     if scheme in ("http", "https"):
         if not limits.allow_http:
             raise bad_request(
-                f"fetching {m}s over http(s) is disabled on this server; "
-                f"send the {m} inline as a base64 data: URL",
+                f"fetching {m}s over http(s) is disabled on this server; send the {m} inline as a base64 data: URL",
                 param,
                 f"invalid_{m}_url",
             )
@@ -99,9 +99,7 @@ def _load_data_url(url: str, limits: MediaLimits, param: str | None, m: str = "i
             f"invalid_{m}_url",
         )
     if media_type and not (media_type.startswith(f"{m}/") or media_type == "application/octet-stream"):
-        raise bad_request(
-            f"data: URL has media type {media_type!r}; expected {m}/*", param, f"invalid_{m}_url"
-        )
+        raise bad_request(f"data: URL has media type {media_type!r}; expected {m}/*", param, f"invalid_{m}_url")
     # Reject by the encoded length before spending memory on decoding.
     if len(payload) // 4 * 3 > limits.max_bytes(m) + 2:
         raise too_large_bytes(f"more than {limits.max_bytes(m)}", limits, param, m)

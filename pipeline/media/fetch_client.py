@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 import httpcore
 import httpx
@@ -60,9 +60,14 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         self.resolve_timeout_s = resolve_timeout_s
         self.inner = httpcore.AnyIOBackend()
 
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                          local_address: str | None = None,
-                          socket_options: Iterable | None = None) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable | None = None,
+    ) -> httpcore.AsyncNetworkStream:
         addresses = await resolve_allowed(host, port, self.policy, timeout or self.resolve_timeout_s)
         error: Exception | None = None
         for addr in addresses:  # e.g. an IPv6 answer on a host without IPv6

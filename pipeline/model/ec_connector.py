@@ -29,8 +29,9 @@ The scheduler side reads and checks an item's features when its request is first
 encoder's width where known. What fails the check, is not there, or fails to read or decode
 for any reason, is not claimed (counted as `refused` where it was there): the engine runs
 its own tower on the item, so a missing or forged value costs time, never a wrong or failed
-answer, and nothing raises in vLLM's scheduler (which would end the EngineCore). Checked tensors travel to the workers in the step's connector
-metadata (in-process on one device; vLLM's message queue to tensor-parallel workers).
+answer, and nothing raises in vLLM's scheduler (which would end the EngineCore). Checked tensors
+travel to the workers in the step's connector metadata (in-process on one device;
+vLLM's message queue to tensor-parallel workers).
 
 Counters (`vllm:iris_ec_loaded_items_total`, `vllm:iris_ec_encoded_items_total`,
 `vllm:iris_ec_refused_items_total`: items the connector supplied, items the engine's own tower
@@ -84,19 +85,24 @@ def plane_uuid(identifier: str) -> str | None:
     """The Iris uuid an engine's item identifier asks for (`iris:<uuid>`), else None: a bare
     identifier (a content hash, or a uuid not meant for Iris) is never looked up."""
     if isinstance(identifier, str) and identifier.startswith(UUID_PREFIX) and len(identifier) > len(UUID_PREFIX):
-        return identifier[len(UUID_PREFIX):]
+        return identifier[len(UUID_PREFIX) :]
     return None
 
 
 def ec_transfer_config(staging_dir: str | os.PathLike, widths: dict[str, int]) -> dict:
     """vLLM's `ec_transfer_config` for an engine that takes Iris's features from `staging_dir`."""
-    return {"ec_connector": CONNECTOR_NAME, "ec_connector_module_path": MODULE_PATH, "ec_role": "ec_consumer",
-            "ec_connector_extra_config": {"staging_dir": str(staging_dir), "widths": dict(widths)}}
+    return {
+        "ec_connector": CONNECTOR_NAME,
+        "ec_connector_module_path": MODULE_PATH,
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"staging_dir": str(staging_dir), "widths": dict(widths)},
+    }
 
 
 @dataclass
 class IrisECMetadata(ECConnectorMetadata):
     """One step's items to load: identifier -> checked features (host memory)."""
+
     items: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -111,7 +117,7 @@ class IrisECStats(ECConnectorStats):
     def reset(self):
         self.data = dict.fromkeys(_COUNTERS, 0)
 
-    def aggregate(self, other: ECConnectorStats) -> "IrisECStats":
+    def aggregate(self, other: ECConnectorStats) -> IrisECStats:
         for name, value in other.data.items():
             self.data[name] = self.data.get(name, 0) + value
         return self
@@ -127,13 +133,16 @@ class IrisECPromMetrics(ECConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {}
-        for name, what in (("loaded", "Multimodal items whose encoder output Iris's EC connector supplied"),
-                           ("encoded", "Multimodal items the engine's own encoder computed (no features "
-                                       "from Iris's EC connector)"),
-                           ("refused", "Multimodal items whose features Iris's EC connector found but refused "
-                                       "(unreadable, corrupt, or not this model's); the engine encoded them")):
-            counter = self._counter_cls(name=f"vllm:iris_ec_{name}_items", documentation=what,
-                                        labelnames=labelnames)
+        for name, what in (
+            ("loaded", "Multimodal items whose encoder output Iris's EC connector supplied"),
+            ("encoded", "Multimodal items the engine's own encoder computed (no features from Iris's EC connector)"),
+            (
+                "refused",
+                "Multimodal items whose features Iris's EC connector found but refused "
+                "(unreadable, corrupt, or not this model's); the engine encoded them",
+            ),
+        ):
+            counter = self._counter_cls(name=f"vllm:iris_ec_{name}_items", documentation=what, labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -157,7 +166,7 @@ def connector_counts() -> dict[str, int]:
 
 
 class IrisECConnector(ECConnectorBase):
-    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         ec = vllm_config.ec_transfer_config
         extra = ec.ec_connector_extra_config
@@ -179,7 +188,7 @@ class IrisECConnector(ECConnectorBase):
         self.totals = dict.fromkeys(_COUNTERS, 0)  # since start (the in-process engine's tests read them)
 
     # --- scheduler side -----------------------------------------------------------
-    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Looks the request's items up once, when it is first scheduled; never defers it."""
         if request.request_id in self._checked:
             return True
@@ -204,7 +213,7 @@ class IrisECConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         return identifier in self._ready
 
-    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
         counted = "encoded"  # the engine's tower runs on it
         if identifier in self._ready:
@@ -216,12 +225,12 @@ class IrisECConnector(ECConnectorBase):
         self._stats.data[name] += 1
         self.totals[name] += 1
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> IrisECMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> IrisECMetadata:
         meta = IrisECMetadata(self._to_load)
         self._to_load = {}
         return meta
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._checked.discard(request.request_id)
         for feature in request.mm_features:
             holders = self._holders.get(feature.identifier)
@@ -247,7 +256,7 @@ class IrisECConnector(ECConnectorBase):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> IrisECPromMetrics:
         return IrisECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def _lookup(self, feature: "MultiModalFeatureSpec") -> torch.Tensor | None:
+    def _lookup(self, feature: MultiModalFeatureSpec) -> torch.Tensor | None:
         """The item's checked features, or None (the engine then encodes the item itself).
         Refused values are counted; nothing here raises for what a file or Redis holds."""
         values, source = None, None
@@ -265,8 +274,9 @@ class IrisECConnector(ECConnectorBase):
                 try:
                     values = values_of(codec.decode(data))
                 except Exception as err:  # CorruptValue, or anything else a hostile file provokes
-                    logger.warning("%s: staged features of %s undecodable (%s)", CONNECTOR_NAME,
-                                   feature.identifier, str(err)[:300])
+                    logger.warning(
+                        "%s: staged features of %s undecodable (%s)", CONNECTOR_NAME, feature.identifier, str(err)[:300]
+                    )
         if values is None and source is None and self._plane is not None:
             uuid = plane_uuid(feature.identifier)
             if uuid is not None:
@@ -280,13 +290,18 @@ class IrisECConnector(ECConnectorBase):
             return None
         problem = self._problem(values, feature)
         if problem:
-            logger.warning("%s: features of %s from %s refused, the engine encodes the item itself: %s",
-                           CONNECTOR_NAME, feature.identifier, source, problem)
+            logger.warning(
+                "%s: features of %s from %s refused, the engine encodes the item itself: %s",
+                CONNECTOR_NAME,
+                feature.identifier,
+                source,
+                problem,
+            )
             self._count("refused")
             return None
         return values
 
-    def _problem(self, values: torch.Tensor, feature: "MultiModalFeatureSpec") -> str | None:
+    def _problem(self, values: torch.Tensor, feature: MultiModalFeatureSpec) -> str | None:
         rows = feature.mm_position.get_num_embeds()
         width = self._widths.get(feature.modality)
         if values.ndim != 2 or values.shape[0] != rows:
@@ -334,16 +349,23 @@ class _FeaturePlane:
 
         fingerprint = extra.get("fingerprint")
         if not fingerprint:
-            raise ValueError(f"{CONNECTOR_NAME}: redis_url needs the model's fingerprint in ec_connector_extra_config "
-                             "(Iris's GET /iris/stats: model.fingerprint)")
+            raise ValueError(
+                f"{CONNECTOR_NAME}: redis_url needs the model's fingerprint in ec_connector_extra_config "
+                "(Iris's GET /iris/stats: model.fingerprint)"
+            )
         self.fingerprint = fingerprint
         self.namespace = extra.get("namespace", DEFAULT_NAMESPACE)
         self.tenant = extra.get("tenant", DEFAULT_TENANT)
         timeout = float(extra.get("redis_timeout_s", 1.0))
-        config = CacheConfig(redis_url=extra["redis_url"], redis_cluster=bool(extra.get("redis_cluster")),
-                             namespace=self.namespace, redis_timeout_s=timeout, redis_connect_timeout_s=timeout,
-                             backoff_initial_s=float(extra.get("backoff_initial_s", 1.0)),
-                             backoff_max_s=float(extra.get("backoff_max_s", 30.0)))
+        config = CacheConfig(
+            redis_url=extra["redis_url"],
+            redis_cluster=bool(extra.get("redis_cluster")),
+            namespace=self.namespace,
+            redis_timeout_s=timeout,
+            redis_connect_timeout_s=timeout,
+            backoff_initial_s=float(extra.get("backoff_initial_s", 1.0)),
+            backoff_max_s=float(extra.get("backoff_max_s", 30.0)),
+        )
         self.read = blocking_reader(config, "iris-ec-connector")
         self.check = ValueCheck()  # the value's stamped fingerprint and modality must be the key's
         self.last_refused = False

@@ -112,8 +112,11 @@ def sweep_dead(base: Path) -> list[Path]:
         shutil.rmtree(entry, ignore_errors=True)
         swept.append(entry)
     if swept:
-        logger.warning("removed %d staging folder(s) of processes that are gone: %s", len(swept),
-                       ", ".join(p.name for p in swept[:5]))
+        logger.warning(
+            "removed %d staging folder(s) of processes that are gone: %s",
+            len(swept),
+            ", ".join(p.name for p in swept[:5]),
+        )
     return swept
 
 

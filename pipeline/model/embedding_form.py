@@ -32,8 +32,11 @@ class EmbeddingForm:
         return {self.values_field, *self.metadata_fields}
 
     @classmethod
-    def of(cls, parser_class, modality: str) -> "EmbeddingForm":
+    def of(cls, parser_class, modality: str) -> EmbeddingForm:
         roles = parser_class.embedding_fields.get(modality, {})
         values = [name for name, role in roles.items() if role == "values"]
-        return cls(values[0] if values else f"{modality}_embeds",
-                   tuple(sorted(name for name, role in roles.items() if role == "metadata")), bool(roles))
+        return cls(
+            values[0] if values else f"{modality}_embeds",
+            tuple(sorted(name for name, role in roles.items() if role == "metadata")),
+            bool(roles),
+        )

@@ -42,8 +42,11 @@ def _weights_digest(model: torch.nn.Module) -> str:
     """A hash of every parameter and buffer, byte by byte, with its name and dtype."""
     parts = []
     for name, tensor in sorted(model.state_dict().items()):
-        parts += [name.encode(), str(tensor.dtype).encode(),
-                  content_hash(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).encode()]
+        parts += [
+            name.encode(),
+            str(tensor.dtype).encode(),
+            content_hash(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).encode(),
+        ]
     return content_hash(b"\0".join(parts))
 
 
@@ -60,8 +63,9 @@ def _process_group_of_one():
     )
 
     with _DISTRIBUTED_LOCK, tempfile.TemporaryDirectory(prefix="iris-vllm-dist-") as rendezvous:
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{rendezvous}/store", backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{rendezvous}/store", backend="gloo"
+        )
         ensure_model_parallel_initialized(1, 1)
         try:
             yield

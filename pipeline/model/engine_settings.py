@@ -36,20 +36,56 @@ IRIS_OWN = ("model", "dtype", "limit_mm_per_prompt")
 # keeps the cache. What is not here and not vLLM's default is in it (a setting too many there costs
 # a cold cache once; one too few would serve features of another model). The weights are hashed as
 # loaded, so where they come from (model_weights, load_format, download_dir, ...) is not needed.
-NOT_FEATURES = frozenset({
-    *STAGE_OWN, "max_model_len", "served_model_name", "seed", "max_logprobs", "logprobs_mode",
-    "return_sampling_mask", "use_fp64_gumbel", "enable_trace_replay", "generation_config",
-    "override_generation_config", "enable_sleep_mode", "sleep_mode_offload_cudagraph",
-    "sleep_preserve_parameter_names", "enable_cumem_allocator", "enable_nccl_comm_suspend", "logits_processors",
-    "enable_prompt_embeds", "skip_mm_profiling", "mm_processor_cache_gb", "mm_processor_cache_type",
-    "mm_shm_cache_max_object_size_mb", "mm_hasher_algorithm", "mm_tensor_ipc", "mm_ipc_gpu_memory_gb",
-    "renderer_num_workers", "io_processor_plugin", "allowed_local_media_path", "allowed_media_domains",
-    "interleave_mm_strings", "disable_sliding_window", "disable_cascade_attn", "pooler_config",
-    "mm_encoder_fp8_scale_save_path", "mm_encoder_fp8_scale_save_margin", "hf_token", "download_dir",
-    "model_weights", "load_format", "ignore_patterns", "model_loader_extra_config", "use_tqdm_on_load",
-    "safetensors_load_strategy", "safetensors_prefetch_num_threads", "safetensors_prefetch_block_size",
-    "pt_load_map_location",
-})
+NOT_FEATURES = frozenset(
+    {
+        *STAGE_OWN,
+        "max_model_len",
+        "served_model_name",
+        "seed",
+        "max_logprobs",
+        "logprobs_mode",
+        "return_sampling_mask",
+        "use_fp64_gumbel",
+        "enable_trace_replay",
+        "generation_config",
+        "override_generation_config",
+        "enable_sleep_mode",
+        "sleep_mode_offload_cudagraph",
+        "sleep_preserve_parameter_names",
+        "enable_cumem_allocator",
+        "enable_nccl_comm_suspend",
+        "logits_processors",
+        "enable_prompt_embeds",
+        "skip_mm_profiling",
+        "mm_processor_cache_gb",
+        "mm_processor_cache_type",
+        "mm_shm_cache_max_object_size_mb",
+        "mm_hasher_algorithm",
+        "mm_tensor_ipc",
+        "mm_ipc_gpu_memory_gb",
+        "renderer_num_workers",
+        "io_processor_plugin",
+        "allowed_local_media_path",
+        "allowed_media_domains",
+        "interleave_mm_strings",
+        "disable_sliding_window",
+        "disable_cascade_attn",
+        "pooler_config",
+        "mm_encoder_fp8_scale_save_path",
+        "mm_encoder_fp8_scale_save_margin",
+        "hf_token",
+        "download_dir",
+        "model_weights",
+        "load_format",
+        "ignore_patterns",
+        "model_loader_extra_config",
+        "use_tqdm_on_load",
+        "safetensors_load_strategy",
+        "safetensors_prefetch_num_threads",
+        "safetensors_prefetch_block_size",
+        "pt_load_map_location",
+    }
+)
 # Settings naming a folder or a hub id whose files shape features: a local folder is fingerprinted
 # by its contents (the same on every node wherever it lies), a hub id by its name.
 FOLDER_SETTINGS = ("tokenizer", "hf_config_path")
@@ -59,14 +95,21 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", "
 # vLLM settings no stage of Iris can honour, or one stage only, by flag: (value that cannot be
 # honoured, why). Checked on the whole `vllm serve` command line.
 _UNHONOURED = {
-    "enable_tower_connector_lora": (True, "VisionEncoder: it computes one set of features per image for every "
-                                    "request, without LoRA adapters, and LLMDecode's engine never runs its tower, "
-                                    "so an adapter's tower and connector weights would apply nowhere"),
-    "language_model_only": (True, "LLMDecode: its engine would take no images or videos, which every request "
-                            "with one needs"),
+    "enable_tower_connector_lora": (
+        True,
+        "VisionEncoder: it computes one set of features per image for every "
+        "request, without LoRA adapters, and LLMDecode's engine never runs its tower, "
+        "so an adapter's tower and connector weights would apply nowhere",
+    ),
+    "language_model_only": (
+        True,
+        "LLMDecode: its engine would take no images or videos, which every request with one needs",
+    ),
     "mm_encoder_only": (True, "LLMDecode: its engine would load no language model"),
-    "skip_tokenizer_init": (True, "Preprocess: vLLM's multimodal processor lays out an item's placeholder "
-                            "tokens with the tokenizer"),
+    "skip_tokenizer_init": (
+        True,
+        "Preprocess: vLLM's multimodal processor lays out an item's placeholder tokens with the tokenizer",
+    ),
 }
 
 
@@ -84,15 +127,21 @@ def model_fields() -> frozenset[str]:
 def model_settings(engine_args, defaults) -> dict[str, Any]:
     """The model part of `engine_args` (vLLM's parsed `vllm serve` arguments, or its EngineArgs) where
     it differs from `defaults` (the same without the user's flags), less Iris's own settings."""
-    return {name: getattr(engine_args, name) for name in sorted(model_fields() - set(IRIS_OWN))
-            if getattr(engine_args, name, None) != getattr(defaults, name, None)}
+    return {
+        name: getattr(engine_args, name)
+        for name in sorted(model_fields() - set(IRIS_OWN))
+        if getattr(engine_args, name, None) != getattr(defaults, name, None)
+    }
 
 
 def refusals(engine_args) -> list[str]:
     """What no stage of Iris, or not every stage, can honour in these engine arguments (vLLM's parsed
     `vllm serve` arguments, or its EngineArgs), each naming the flag and the stage."""
-    return [f"engine_args.{name}: {why}" for name, (value, why) in _UNHONOURED.items()
-            if getattr(engine_args, name, None) == value]
+    return [
+        f"engine_args.{name}: {why}"
+        for name, (value, why) in _UNHONOURED.items()
+        if getattr(engine_args, name, None) == value
+    ]
 
 
 def stage_engine_args(checkpoint: str, settings: Mapping[str, Any], dtype: str, limits: dict[str, int]):
@@ -117,7 +166,8 @@ def load_refusal(checkpoint: str, settings: Mapping[str, Any], err: Exception) -
             f"{checkpoint} needs code it ships itself (a config or processor class named by its "
             "auto_map), which vLLM runs only with trust_remote_code, as `vllm serve` refuses it without "
             "--trust-remote-code: set engine_args.trust_remote_code: true, and Preprocess, the VisionEncoder "
-            "and LLMDecode each run that code from the checkpoint on their node")
+            "and LLMDecode each run that code from the checkpoint on their node"
+        )
     return None
 
 
@@ -156,16 +206,32 @@ def model_differences(ours, theirs) -> list[str]:
     settings, dtype): empty when a stage built from `ours` computes what an engine built from
     `theirs` computes."""
     diffs = []
-    for name in ("model", "tokenizer", "tokenizer_mode", "tokenizer_revision", "revision", "code_revision",
-                 "trust_remote_code", "config_format", "dtype", "quantization"):
+    for name in (
+        "model",
+        "tokenizer",
+        "tokenizer_mode",
+        "tokenizer_revision",
+        "revision",
+        "code_revision",
+        "trust_remote_code",
+        "config_format",
+        "dtype",
+        "quantization",
+    ):
         a, b = getattr(ours, name, None), getattr(theirs, name, None)
         if a != b:
             diffs.append(f"{name}: {a!r} against {b!r}")
     if ours.hf_config.to_dict() != theirs.hf_config.to_dict():
         diffs.append("the model's config (hf_config)")
     mm_a, mm_b = ours.multimodal_config, theirs.multimodal_config
-    for name in ("mm_processor_kwargs", "media_io_kwargs", "mm_encoder_attn_backend", "mm_encoder_attn_dtype",
-                 "mm_device_do_normalize", "video_pruning_rate"):
+    for name in (
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "mm_encoder_attn_backend",
+        "mm_encoder_attn_dtype",
+        "mm_device_do_normalize",
+        "video_pruning_rate",
+    ):
         a, b = getattr(mm_a, name, None), getattr(mm_b, name, None)
         if a != b:
             diffs.append(f"{name}: {a!r} against {b!r}")

@@ -55,12 +55,15 @@ def request_media(items: dict[str, Any]) -> Iterator[None]:
 def _resolve(payload: str, what: str) -> Any:
     items = _items.get()
     if isinstance(payload, str) and payload.startswith(SCHEME) and items is not None:
-        item = items.get(payload[len(SCHEME):])
+        item = items.get(payload[len(SCHEME) :])
         if item is not None:
             return item
     # Only the ingress writes these parts; anything else came from a client.
-    raise VLLMValidationError(f"{what} parts are not accepted by this server: send images as image_url "
-                              "(a data: or http(s) URL) with an optional uuid", parameter=what)
+    raise VLLMValidationError(
+        f"{what} parts are not accepted by this server: send images as image_url "
+        "(a data: or http(s) URL) with an optional uuid",
+        parameter=what,
+    )
 
 
 @MEDIA_CONNECTOR_REGISTRY.register(CONNECTOR_NAME)

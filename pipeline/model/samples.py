@@ -19,5 +19,10 @@ def sample_video(frames: int = 4, side: int = 64) -> tuple[np.ndarray, dict]:
     """A grey clip as vLLM's video loader returns one: frames [T, H, W, 3] uint8 and their metadata."""
     fps = 2.0
     return np.full((frames, side, side, 3), 128, np.uint8), {
-        "total_num_frames": frames, "fps": fps, "duration": frames / fps, "video_backend": "opencv",
-        "frames_indices": list(range(frames)), "do_sample_frames": True}
+        "total_num_frames": frames,
+        "fps": fps,
+        "duration": frames / fps,
+        "video_backend": "opencv",
+        "frames_indices": list(range(frames)),
+        "do_sample_frames": True,
+    }

@@ -32,7 +32,7 @@ def builtin_engine_args(model: str) -> dict:
 
     if not model.startswith(BUILTIN_PREFIX):
         return {}
-    family = model[len(BUILTIN_PREFIX):].partition("-")[2].replace("-", "_")
+    family = model[len(BUILTIN_PREFIX) :].partition("-")[2].replace("-", "_")
     return dict(BUILDERS[family].engine_args) if family in BUILDERS else {}
 
 
@@ -55,7 +55,7 @@ def resolve_model(model: str) -> str:
 
 
 def _ensure_builtin(model: str) -> Path:
-    name = model[len(BUILTIN_PREFIX):]
+    name = model[len(BUILTIN_PREFIX) :]
     size, _, family = name.partition("-")
     family = family.replace("-", "_")
     if (family, size) not in available():

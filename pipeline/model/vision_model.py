@@ -61,6 +61,7 @@ _METADATA_FROM_IMAGE = {"image_sizes": lambda image: torch.tensor([image.width, 
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class PixelInputs:
     """One preprocessed image or video: vLLM's processed item and its feature-token count."""
@@ -87,9 +88,16 @@ class VisionModel:
     `connector`: deliver every modality through the EC connector, also where vLLM takes
     embeddings (to compare the two paths)."""
 
-    def __init__(self, checkpoint: str, dtype: str = "auto", max_items: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None,
-                 connector: bool = False, settings: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        checkpoint: str,
+        dtype: str = "auto",
+        max_items: dict[str, int] | None = None,
+        mm_processor_kwargs: dict | None = None,
+        media_io_kwargs: dict | None = None,
+        connector: bool = False,
+        settings: Mapping[str, Any] | None = None,
+    ):
         from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.multimodal.media import ImageMediaIO
 
@@ -146,15 +154,25 @@ class VisionModel:
         if modality not in self.modalities:
             raise ValueError(f"this model takes no {modality} input")
         try:
-            out = self.processor(self._prompts[modality], self.processor.data_parser.parse_mm_data({modality: [media]}),
-                                 hf_processor_mm_kwargs=self.mm_processor_kwargs)
+            out = self.processor(
+                self._prompts[modality],
+                self.processor.data_parser.parse_mm_data({modality: [media]}),
+                hf_processor_mm_kwargs=self.mm_processor_kwargs,
+            )
         except ValueError as err:
             # vLLM wraps the processor's reason in "Failed to apply <processor> on data=...": the reason.
             raise ValueError(str(list(causes(err))[-1])) from err
         (item,) = out["mm_kwargs"][modality]
         (placeholder,) = out["mm_placeholders"][modality]
-        metadata = {name: _METADATA_FROM_IMAGE[name](media) for name in self.forms[modality].metadata_fields
-                    if name not in item} if modality == "image" else {}
+        metadata = (
+            {
+                name: _METADATA_FROM_IMAGE[name](media)
+                for name in self.forms[modality].metadata_fields
+                if name not in item
+            }
+            if modality == "image"
+            else {}
+        )
         return PixelInputs(item, placeholder.get_num_embeds(), metadata, modality, processed_with=self.processing_id())
 
     def load_video(self, data: bytes) -> tuple[np.ndarray, dict]:
@@ -168,7 +186,8 @@ class VisionModel:
         video_kwargs = dict(self.media_io_kwargs.get("video", {}))
         if "video_backend" not in video_kwargs:
             backend = get_video_loader_backend_for_processor(
-                get_video_processor_cls_name(self.vllm_config.model_config))
+                get_video_processor_cls_name(self.vllm_config.model_config)
+            )
             if backend:
                 video_kwargs["video_backend"] = backend
         return VideoMediaIO(self.image_io, **video_kwargs).load_bytes(data).media
@@ -189,21 +208,28 @@ class VisionModel:
         # Two images of other shapes: a prompt's images may become different token counts, which
         # some families' embedding input does not take (LLaVA-OneVision's: one tensor for all).
         image = sample_image_bytes()
-        samples = {"image": [self.load_image(image), self.load_image(sample_image_bytes(128, 48))],
-                   "video": [sample_video()]}
+        samples = {
+            "image": [self.load_image(image), self.load_image(sample_image_bytes(128, 48))],
+            "video": [sample_video()],
+        }
         arch = self.vllm_config.model_config.architecture
         for modality in self.modalities:
-            batch = [self.preprocess(sample, modality) for sample in samples[modality][:self.limits[modality]]]
+            batch = [self.preprocess(sample, modality) for sample in samples[modality][: self.limits[modality]]]
             pixels, warm = batch[0], self.encode(batch)
             form = self.forms[modality]
             form.width = int(warm[0].tensors[form.values_field].shape[1])
-            form.metadata_kinds = {name: (warm[0].tensors[name].dtype, warm[0].tensors[name].ndim)
-                                   for name in form.metadata_fields}
+            form.metadata_kinds = {
+                name: (warm[0].tensors[name].dtype, warm[0].tensors[name].ndim) for name in form.metadata_fields
+            }
             problem = None if self.force_connector else self._embedding_input_problem(warm, modality)
             if self.force_connector or problem:
                 form.delivery = CONNECTOR
-                logger.info("%s: %s features reach the decoder through Iris's EC connector (%s)", arch, modality,
-                            problem or "configured")
+                logger.info(
+                    "%s: %s features reach the decoder through Iris's EC connector (%s)",
+                    arch,
+                    modality,
+                    problem or "configured",
+                )
             if modality == "image":
                 pixels.source = image
                 self.sample_features = self._features(warm[0].tensors[form.values_field], pixels)
@@ -223,13 +249,16 @@ class VisionModel:
             out = self.processor(prompt, self._parse(features, modality), hf_processor_mm_kwargs={})
             back = []
             with set_current_vllm_config(self.vllm_config):
-                for _, _, kwargs in group_and_batch_mm_kwargs([(modality, item) for item in out["mm_kwargs"][modality]],
-                                                              device=self.vllm_config.device_config.device):
+                for _, _, kwargs in group_and_batch_mm_kwargs(
+                    [(modality, item) for item in out["mm_kwargs"][modality]],
+                    device=self.vllm_config.device_config.device,
+                ):
                     back.extend(self.model.embed_multimodal(**kwargs))
         except Exception as err:
             return f"vLLM takes no {modality} embeddings for it: {type(err).__name__}: {err}"
-        if len(back) != len(features) or not all(torch.equal(b.cpu(), f.tensors[form.values_field])
-                                                 for b, f in zip(back, features)):
+        if len(back) != len(features) or not all(
+            torch.equal(b.cpu(), f.tensors[form.values_field]) for b, f in zip(back, features)
+        ):
             return f"vLLM changes {modality} embeddings on input"
         return None
 
@@ -258,7 +287,9 @@ class VisionModel:
         for name in metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
             value = pixels.item[name].data if name in pixels.item else pixels.metadata[name]
             # Lists of numbers (Qwen3-VL's frame timestamps) as float64, which keeps their printed value.
-            tensors[name] = value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+            tensors[name] = (
+                value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+            )
         meta = {"num_tokens": int(embedding.shape[0])}
         if pixels.modality != "image":  # values stored before videos existed are images
             meta["modality"] = pixels.modality
@@ -275,25 +306,35 @@ class VisionModel:
     def processing_id(self) -> str:
         """The fingerprint's settings without the weights: what Preprocess's pixels depend on."""
         if self._processing_id is None:
-            self._processing_id = content_hash(b"\0".join(content_hash(p).encode()
-                                                          for p in self._setting_parts()))[:FINGERPRINT_CHARS]
+            self._processing_id = content_hash(b"\0".join(content_hash(p).encode() for p in self._setting_parts()))[
+                :FINGERPRINT_CHARS
+            ]
         return self._processing_id
 
     def _setting_parts(self) -> list[bytes]:
         # The folder vLLM loads (a hub id's cached snapshot where vLLM resolved one), else the checkpoint's.
-        root = next((Path(p) for p in (self.vllm_config.model_config.model, self.checkpoint) if Path(p).is_dir()),
-                    Path(self.checkpoint))
+        root = next(
+            (Path(p) for p in (self.vllm_config.model_config.model, self.checkpoint) if Path(p).is_dir()),
+            Path(self.checkpoint),
+        )
         # The pixel decoder too: Iris's own decoder rescaled 16-bit images, vLLM's (now Iris's) clips them.
-        settings = {"dtype": str(self.dtype), "mm_processor_kwargs": self.mm_processor_kwargs,
-                    "image_decoder": "vllm.ImageMediaIO"}
+        settings = {
+            "dtype": str(self.dtype),
+            "mm_processor_kwargs": self.mm_processor_kwargs,
+            "image_decoder": "vllm.ImageMediaIO",
+        }
         if self.media_io_kwargs:  # (absent, the fingerprints of image-only deployments stay as they were)
             settings["media_io_kwargs"] = self.media_io_kwargs
         # vLLM's other model settings that shape features (revision, hf_overrides, tokenizer, ...): none
         # by default, so the fingerprints of deployments without them stay as they were.
         settings |= {name: value for name, value in feature_settings(self.settings).items() if name not in settings}
         parts = [json.dumps(settings, sort_keys=True).encode()]
-        for name in ("config.json", "preprocessor_config.json", "processor_config.json",
-                     "video_preprocessor_config.json"):
+        for name in (
+            "config.json",
+            "preprocessor_config.json",
+            "processor_config.json",
+            "video_preprocessor_config.json",
+        ):
             if (root / name).is_file():
                 parts.append((root / name).read_bytes())
         if root.is_dir() and any(root.glob("*.py")):  # code the checkpoint ships (trust_remote_code)
@@ -354,7 +395,8 @@ class VisionModel:
         if values.dtype != self.dtype:
             return f"{form.values_field} has dtype {values.dtype}, expected {self.dtype}"
         if values.ndim != 2 or features.num_tokens != values.shape[0]:
-            return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {features.meta.get('num_tokens')!r}"
+            meta_tokens = features.meta.get("num_tokens")
+            return f"{form.values_field} has shape {list(values.shape)}, meta num_tokens {meta_tokens!r}"
         if form.width is not None and values.shape[1] != form.width:
             return f"{form.values_field} is {values.shape[1]} wide, this model's features {form.width}"
         if form.delivery == CONNECTOR:

@@ -34,19 +34,24 @@ class AuthConfig(BaseModel):
 
     api_keys_file: str | None = Field(
         None,
-        description="Path of a JSON file mapping tenant names to their keys: {\"acme\": [\"key1\", \"key2\"]} "
-        "(a mounted Kubernetes Secret). Read by every ingress replica at start, and checked at build time.")
+        description='Path of a JSON file mapping tenant names to their keys: {"acme": ["key1", "key2"]} '
+        "(a mounted Kubernetes Secret). Read by every ingress replica at start, and checked at build time.",
+    )
     api_keys_env: str | None = Field(
-        None, pattern=_ENV_NAME,
+        None,
+        pattern=_ENV_NAME,
         description="Name of an environment variable holding the same JSON as api_keys_file (e.g. from a "
-        "Kubernetes Secret via secretKeyRef). Read by every ingress replica at start, and checked at build time.")
+        "Kubernetes Secret via secretKeyRef). Read by every ingress replica at start, and checked at build time.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _no_keys_in_the_config(cls, data):
         if isinstance(data, dict) and "api_keys" in data:
-            raise ValueError("auth.api_keys: keys may not be written in the config, whose arguments Ray Serve "
-                             "writes to its logs; put them in the JSON of api_keys_file or api_keys_env")
+            raise ValueError(
+                "auth.api_keys: keys may not be written in the config, whose arguments Ray Serve "
+                "writes to its logs; put them in the JSON of api_keys_file or api_keys_env"
+            )
         return data
 
     @property
@@ -56,8 +61,12 @@ class AuthConfig(BaseModel):
 
 def unauthorized() -> IrisError:
     """401 in OpenAI's shape (the same for a missing and a wrong key)."""
-    return IrisError("Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
-                     status_code=401, type="invalid_request_error", code="invalid_api_key")
+    return IrisError(
+        "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
+        status_code=401,
+        type="invalid_request_error",
+        code="invalid_api_key",
+    )
 
 
 @dataclass(frozen=True)
@@ -97,8 +106,9 @@ class KeyRing:
                 raise ValueError(f"{where}: not set in this process's environment")
             _add_mapping(environ[config.api_keys_env], where, add)
         if not owners:
-            raise ValueError("auth: keys are configured but none was found (an empty file or mapping would "
-                             "lock every client out)")
+            raise ValueError(
+                "auth: keys are configured but none was found (an empty file or mapping would lock every client out)"
+            )
         return cls(tuple(owners.items()))
 
     def tenant(self, key: str | None) -> str | None:
@@ -132,8 +142,10 @@ def _add_mapping(text: str, where: str, add) -> None:
     for i, (tenant, keys) in enumerate(mapping.items()):
         if not TENANT_NAME.match(tenant) or tenant.startswith("key-"):
             # Not echoed: a mapping written the wrong way round would put a key here.
-            raise ValueError(f"{where}: tenant name number {i + 1} must match {TENANT_NAME.pattern} and not "
-                             "start with `key-` (the names of unmapped keys' tenants)")
+            raise ValueError(
+                f"{where}: tenant name number {i + 1} must match {TENANT_NAME.pattern} and not "
+                "start with `key-` (the names of unmapped keys' tenants)"
+            )
         keys = [keys] if isinstance(keys, str) else keys
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
             raise ValueError(f"{where}: tenant {tenant!r} must map to a key or a non-empty list of keys (strings)")

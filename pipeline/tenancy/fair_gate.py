@@ -108,17 +108,25 @@ class FairSharing(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(
-        True, description="Serve tenants in turn (by weight) in Preprocess and the VisionEncoder; false: first "
-        "come, first served, where one tenant's burst of new images queues every other tenant behind it.")
+        True,
+        description="Serve tenants in turn (by weight) in Preprocess and the VisionEncoder; false: first "
+        "come, first served, where one tenant's burst of new images queues every other tenant behind it.",
+    )
     tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
-        default_factory=dict, description="Share of a tenant (by its name: a configured key's tenant, the "
+        default_factory=dict,
+        description="Share of a tenant (by its name: a configured key's tenant, the "
         "tenant header's value, or `key-...` for an unconfigured key's hash) relative to the others; unlisted "
-        "tenants weigh 1.")
+        "tenants weigh 1.",
+    )
     preprocess_slots: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
-        "auto", description="Images or videos one Preprocess replica decodes at once; the rest wait their "
+        "auto",
+        description="Images or videos one Preprocess replica decodes at once; the rest wait their "
         "tenant's turn. auto: the replica's CPUs (ray_actor_options.num_cpus) rounded up: a decode keeps a core "
-        "busy, so more at once than the replica has cores only slows the others down.")
+        "busy, so more at once than the replica has cores only slows the others down.",
+    )
     encoder_slots: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
-        "auto", description="Images or videos one VisionEncoder replica has queued for or in its forward pass; "
+        "auto",
+        description="Images or videos one VisionEncoder replica has queued for or in its forward pass; "
         "the rest wait their tenant's turn. auto: twice the encoder batch size (one batch runs while the "
-        "next fills).")
+        "next fills).",
+    )

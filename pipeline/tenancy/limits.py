@@ -48,18 +48,27 @@ class LimitSet(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_concurrent_requests: int | None = Field(
-        None, ge=1, description="Chat and completion requests of one tenant in flight at once; None: no limit.")
+        None, ge=1, description="Chat and completion requests of one tenant in flight at once; None: no limit."
+    )
     images_per_minute: int | None = Field(
-        None, ge=1, description="Images and videos (each item counts one) one tenant may send per clock minute; "
-        "None: no limit.")
+        None,
+        ge=1,
+        description="Images and videos (each item counts one) one tenant may send per clock minute; None: no limit.",
+    )
     prompt_tokens_per_minute: int | None = Field(
-        None, ge=1, description="Prompt tokens one tenant may use per clock minute, charged from each answer's "
-        "usage; a request is refused while the minute is already at or over it. None: no limit.")
+        None,
+        ge=1,
+        description="Prompt tokens one tenant may use per clock minute, charged from each answer's "
+        "usage; a request is refused while the minute is already at or over it. None: no limit.",
+    )
 
     @property
     def off(self) -> bool:
-        return (self.max_concurrent_requests is None and self.images_per_minute is None
-                and self.prompt_tokens_per_minute is None)
+        return (
+            self.max_concurrent_requests is None
+            and self.images_per_minute is None
+            and self.prompt_tokens_per_minute is None
+        )
 
     def over(self, override: LimitSet) -> LimitSet:
         """These limits with the fields `override` sets replaced (an explicit null lifts a limit)."""
@@ -73,10 +82,14 @@ class TenantLimits(BaseModel):
     tenants: dict[str, LimitSet] = Field(
         default_factory=dict,
         description="Overrides by tenant name (a name from the key mapping, `key-<hash>` of an unmapped key, "
-        "or `default`): the fields given replace the default's, null lifts one.")
+        "or `default`): the fields given replace the default's, null lifts one.",
+    )
     slot_grace_s: float = Field(
-        30, gt=0, description="A request's concurrency slot expires request_timeout_s plus this after it was "
-        "taken, should its ingress replica die before releasing it.")
+        30,
+        gt=0,
+        description="A request's concurrency slot expires request_timeout_s plus this after it was "
+        "taken, should its ingress replica die before releasing it.",
+    )
 
     def of(self, tenant: str) -> LimitSet:
         override = self.tenants.get(tenant)
@@ -88,13 +101,20 @@ class TenantLimits(BaseModel):
 
 
 def rate_limited(limit: str, retry_after_s: int, message: str) -> IrisError:
-    return IrisError(message, status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
-                     extra={"limit": limit}, headers={"Retry-After": str(retry_after_s)})
+    return IrisError(
+        message,
+        status_code=429,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        extra={"limit": limit},
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 @dataclass
 class Ticket:
     """One request's admission: what it holds, and where it was counted."""
+
     tenant: str
     limits: LimitSet
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -204,8 +224,12 @@ class TenantLimiter:
             return
         if limits.images_per_minute is not None and images > limits.images_per_minute:
             # Not a 429: waiting would not help.
-            raise bad_request(f"this request has {images} images and videos; this API key may send at most "
-                              f"{limits.images_per_minute} per minute", param="messages", code="too_many_images")
+            raise bad_request(
+                f"this request has {images} images and videos; this API key may send at most "
+                f"{limits.images_per_minute} per minute",
+                param="messages",
+                code="too_many_images",
+            )
         now_ms = int(self.clock() * 1000)
         deadline_ms = now_ms + self.slot_ms
         refused, retry_ms = None, 0
@@ -213,9 +237,18 @@ class TenantLimiter:
             minute = now_ms // WINDOW_MS
             try:
                 refused, retry_ms = await self.redis.eval(
-                    _ADMIT, 3, *self.keys(ticket.tenant, minute), now_ms, ticket.request_id, deadline_ms,
-                    limits.max_concurrent_requests or 0, images, limits.images_per_minute or 0,
-                    limits.prompt_tokens_per_minute or 0, (minute + 1) * WINDOW_MS - now_ms)
+                    _ADMIT,
+                    3,
+                    *self.keys(ticket.tenant, minute),
+                    now_ms,
+                    ticket.request_id,
+                    deadline_ms,
+                    limits.max_concurrent_requests or 0,
+                    images,
+                    limits.images_per_minute or 0,
+                    limits.prompt_tokens_per_minute or 0,
+                    (minute + 1) * WINDOW_MS - now_ms,
+                )
                 refused = refused.decode() if isinstance(refused, bytes) else refused
                 self._redis_ok()
                 self.stats["redis_admissions"] += 1
@@ -247,8 +280,9 @@ class TenantLimiter:
         minute = now_ms // WINDOW_MS
         inflight, _, spent = self.keys(ticket.tenant, minute)
         try:
-            await self.redis.eval(_RELEASE, 2, inflight, spent, held, tokens,
-                                  (minute + 1) * WINDOW_MS - now_ms + WINDOW_MS)
+            await self.redis.eval(
+                _RELEASE, 2, inflight, spent, held, tokens, (minute + 1) * WINDOW_MS - now_ms + WINDOW_MS
+            )
         except REDIS_ERRORS as err:  # the slot expires at its deadline; these tokens go uncharged
             self._redis_failed(err)
 
@@ -269,8 +303,9 @@ class TenantLimiter:
     def _redis_failed(self, err: BaseException) -> None:
         self.stats["redis_errors"] += 1
         if not self.backoff.failing:  # the URL is not logged: it may hold a password
-            logger.warning("Iris tenant limits: Redis unreachable (%s); counting in this replica's memory",
-                           type(err).__name__)
+            logger.warning(
+                "Iris tenant limits: Redis unreachable (%s); counting in this replica's memory", type(err).__name__
+            )
         self.backoff.failed()
 
     @staticmethod
@@ -279,9 +314,12 @@ class TenantLimiter:
         if limit == "concurrency":
             message = f"too many requests in flight for this API key (limit {limits.max_concurrent_requests})"
         elif limit == "images":
-            message = (f"this request's {images} image(s) would exceed the limit of {limits.images_per_minute} "
-                       "images per minute for this API key")
+            message = (
+                f"this request's {images} image(s) would exceed the limit of {limits.images_per_minute} "
+                "images per minute for this API key"
+            )
         else:
-            message = (f"the limit of {limits.prompt_tokens_per_minute} prompt tokens per minute for this API key "
-                       "is used up")
+            message = (
+                f"the limit of {limits.prompt_tokens_per_minute} prompt tokens per minute for this API key is used up"
+            )
         return rate_limited(limit, retry_s, f"Rate limit reached: {message}; retry after {retry_s} s.")

@@ -77,6 +77,9 @@ def _metric_salt() -> bytes:
         return b"iris-metric-tenant\0" + configured.encode()
     if _process_salt is None:
         _process_salt = secrets.token_bytes(32)
-        logger.warning("%s is not set: tenant labels of metrics are opaque per process (set it, the same on "
-                       "every Ray pod, for one label per tenant across replicas)", METRIC_SALT_ENV)
+        logger.warning(
+            "%s is not set: tenant labels of metrics are opaque per process (set it, the same on "
+            "every Ray pod, for one label per tenant across replicas)",
+            METRIC_SALT_ENV,
+        )
     return _process_salt

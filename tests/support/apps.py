@@ -72,15 +72,25 @@ def reference_args(checkpoint: str, dtype: str = "float32", served_model_name: s
     same served name and dtype, two images a prompt, eager like the reference), and the app
     tests/test_serving.py drives: one app per checkpoint serves test_api_parity, test_families and
     test_serving one after another (conftest orders them so)."""
-    return {"model": checkpoint, "served_model_name": served_model_name, "max_images_per_prompt": 2,
-            "dtype": dtype, "engine_args": {"max_model_len": 2048, "enforce_eager": True},
-            "cache": {"ttl_s": 3600},
-            # test_serving: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
-            "media": {"max_image_bytes": 200_000, "max_video_bytes": 3_000_000, "max_video_frames": 10_000,
-                      "max_video_duration_s": 600, "allowed_fetch_cidrs": ["127.0.0.1/32"]},
-            "tenant_header": "X-Iris-Tenant",  # test_serving plays the trusted gateway
-            # Traced, to the test process's receiver (tests/test_tracing.py reads what it got).
-            "tracing": {"otlp_endpoint": trace_receiver().endpoint, "protocol": "http/protobuf"}}
+    return {
+        "model": checkpoint,
+        "served_model_name": served_model_name,
+        "max_images_per_prompt": 2,
+        "dtype": dtype,
+        "engine_args": {"max_model_len": 2048, "enforce_eager": True},
+        "cache": {"ttl_s": 3600},
+        # test_serving: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
+        "media": {
+            "max_image_bytes": 200_000,
+            "max_video_bytes": 3_000_000,
+            "max_video_frames": 10_000,
+            "max_video_duration_s": 600,
+            "allowed_fetch_cidrs": ["127.0.0.1/32"],
+        },
+        "tenant_header": "X-Iris-Tenant",  # test_serving plays the trusted gateway
+        # Traced, to the test process's receiver (tests/test_tracing.py reads what it got).
+        "tracing": {"otlp_endpoint": trace_receiver().endpoint, "protocol": "http/protobuf"},
+    }
 
 
 @contextmanager
@@ -95,8 +105,15 @@ def beside(start_peer: Callable[[], object], app: AbstractContextManager[App]) -
 
 
 @contextmanager
-def start_app(serve_url: str, name: str, args: dict, *, route_prefix: str | None = None,
-              config: dict | None = None, timeout_s: float = START_TIMEOUT_S) -> Iterator[App]:
+def start_app(
+    serve_url: str,
+    name: str,
+    args: dict,
+    *,
+    route_prefix: str | None = None,
+    config: dict | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> Iterator[App]:
     """Iris app `name` at `serve_url` + `route_prefix` (default "/" + name), built from `args`
     with a new cache namespace (any namespace in args is replaced).
 
@@ -201,16 +218,22 @@ class AppPool:
         self._kept: dict[str, tuple[App, ExitStack]] = {}
 
     @contextmanager
-    def use(self, name: str, args: dict, *, keep: bool = False, route_prefix: str | None = None,
-            config: dict | None = None) -> Iterator[App]:
-        key = json.dumps([{**args, "cache": {k: v for k, v in args.get("cache", {}).items() if k != "namespace"}},
-                          config], sort_keys=True, default=str)
+    def use(
+        self, name: str, args: dict, *, keep: bool = False, route_prefix: str | None = None, config: dict | None = None
+    ) -> Iterator[App]:
+        key = json.dumps(
+            [{**args, "cache": {k: v for k, v in args.get("cache", {}).items() if k != "namespace"}}, config],
+            sort_keys=True,
+            default=str,
+        )
         entry = self._kept.pop(key, None)
         if entry is None:
             self.close()
             stack = ExitStack()
-            entry = (stack.enter_context(start_app(self.serve_url, name, args, route_prefix=route_prefix,
-                                                   config=config)), stack)
+            entry = (
+                stack.enter_context(start_app(self.serve_url, name, args, route_prefix=route_prefix, config=config)),
+                stack,
+            )
         try:
             yield entry[0]
         finally:
@@ -235,5 +258,8 @@ def metrics_text() -> str:
     served by the node it runs on."""
     import ray
 
-    return "\n".join(httpx.get(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics", timeout=10).text
-                     for n in ray.nodes() if n["Alive"])
+    return "\n".join(
+        httpx.get(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics", timeout=10).text
+        for n in ray.nodes()
+        if n["Alive"]
+    )

@@ -64,19 +64,36 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
 
     # As LLMDecode builds its engine: the EC connector only where the features take it.
     staging = FeatureStaging()
-    connector = {"ec_transfer_config": ec_transfer_config(staging.dir, {"image": form.width})
-                 } if form.delivery == CONNECTOR else {}
-    llm = LLM(model=checkpoint, dtype=str(vision.dtype).removeprefix("torch."), max_model_len=2048,
-              enforce_eager=True, limit_mm_per_prompt={"image": vision.limits["image"]}, seed=0,
-              enable_mm_embeds=True, disable_log_stats=False, **connector, **settings, **parallel)
+    connector = (
+        {"ec_transfer_config": ec_transfer_config(staging.dir, {"image": form.width})}
+        if form.delivery == CONNECTOR
+        else {}
+    )
+    llm = LLM(
+        model=checkpoint,
+        dtype=str(vision.dtype).removeprefix("torch."),
+        max_model_len=2048,
+        enforce_eager=True,
+        limit_mm_per_prompt={"image": vision.limits["image"]},
+        seed=0,
+        enable_mm_embeds=True,
+        disable_log_stats=False,
+        **connector,
+        **settings,
+        **parallel,
+    )
     # (A checkpoint without a processor of its own, whose processor vLLM brings: its tokenizer.)
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=settings.get("trust_remote_code", False))
     tokenizer = getattr(processor, "tokenizer", processor)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
 
     def answer(images: list[str], uuids: list[str], iris: bool) -> dict:
-        messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
-                     + [{"type": "text", "text": REFERENCE_TEXT}]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": REFERENCE_TEXT}],
+            }
+        ]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         mine = [features[n] for n in images]
@@ -89,14 +106,19 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
         else:
             data = vision.embedding_input(mine, "image")
         before = connector_counts()
-        out = llm.generate({"prompt_token_ids": token_ids, "multi_modal_data": {"image": data},
-                            "multi_modal_uuids": {"image": uuids}}, params, use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            {"prompt_token_ids": token_ids, "multi_modal_data": {"image": data}, "multi_modal_uuids": {"image": uuids}},
+            params,
+            use_tqdm=False,
+        )[0].outputs[0]
         if iris and form.delivery == CONNECTOR:
             staging.release(uuids)
         after = connector_counts()
-        return {"tokens": list(out.token_ids),
-                "logprobs": [next(iter(lp.values())).logprob for lp in out.logprobs],
-                **{name: after[name] - before[name] for name in after}}
+        return {
+            "tokens": list(out.token_ids),
+            "logprobs": [next(iter(lp.values())).logprob for lp in out.logprobs],
+            **{name: after[name] - before[name] for name in after},
+        }
 
     # vLLM's own limit: some families take one image a prompt (PaliGemma)
     result = {"delivery": form.delivery, "image_limit": vision.limits["image"], "cases": {}, "features": {}}
@@ -105,18 +127,25 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
             continue
         result["cases"][case] = {
             "engine": answer(images, [f"engine-{case}-{i}" for i in range(len(images))], iris=False),
-            "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True)}
+            "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True),
+        }
     for name, uuid in (("square", "engine-one image-0"), ("wide", "engine-another size-0")):
         # One tensor per worker (each rank runs the tower); the first rank's.
         engine = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())[0]
         ours = features[name].tensors[form.values_field]
-        result["features"][name] = {"shape": [list(ours.shape), list(engine.shape)],
-                                    "dtype": [str(ours.dtype), str(engine.dtype)],
-                                    "max_diff": (ours.float() - engine.float()).abs().max().item(),
-                                    "scale": engine.float().abs().max().item()}
+        result["features"][name] = {
+            "shape": [list(ours.shape), list(engine.shape)],
+            "dtype": [str(ours.dtype), str(engine.dtype)],
+            "max_diff": (ours.float() - engine.float()).abs().max().item(),
+            "scale": engine.float().abs().max().item(),
+        }
     url = "data:image/png;base64," + base64.b64encode(png_bytes("square")).decode()
-    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": REFERENCE_TEXT}]}]
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": REFERENCE_TEXT}],
+        }
+    ]
     (chat_output,) = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs
     result["chat"], result["chat_text"] = list(chat_output.token_ids), chat_output.text
     staging.close()
@@ -126,5 +155,6 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its encoder cache can be read
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    print(json.dumps(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)),
-          flush=True)
+    print(
+        json.dumps(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)), flush=True
+    )

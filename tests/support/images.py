@@ -73,8 +73,13 @@ def png_rgb16(pixels: np.ndarray) -> bytes:
 
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 @functools.cache
@@ -99,8 +104,14 @@ def format_corpus() -> dict[str, bytes]:
         "png-palette-transparency": _encode(palette, "PNG", transparency=3),
         "jpeg-cmyk": _encode(Image.fromarray(_noise(rng, (50, 70, 4)), "CMYK"), "JPEG", quality=92),
         "webp": _encode(rgb(88, 56), "WEBP", quality=80),
-        "gif-animated": _encode(rgb(64, 48).convert("P"), "GIF", save_all=True, duration=80, loop=0,
-                                append_images=[rgb(64, 48).convert("P") for _ in range(2)]),
+        "gif-animated": _encode(
+            rgb(64, 48).convert("P"),
+            "GIF",
+            save_all=True,
+            duration=80,
+            loop=0,
+            append_images=[rgb(64, 48).convert("P") for _ in range(2)],
+        ),
         "png-gray8": _encode(Image.fromarray(_noise(rng, (72, 40))), "PNG"),
         "png-1bit": _encode(Image.fromarray(_noise(rng, (64, 64)) > 127), "PNG"),
     }

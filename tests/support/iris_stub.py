@@ -27,9 +27,19 @@ class IrisStub:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 status, answer = stub.answer(body, self.headers.get("authorization", ""))
                 if status == 200 and body.get("stream"):
-                    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                             "choices": [{"index": 0, "delta": {"content": answer["choices"][0]["message"]["content"]},
-                                          "finish_reason": "stop"}]}
+                    chunk = {
+                        "id": "c",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": "m",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"content": answer["choices"][0]["message"]["content"]},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    }
                     data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
                     return self._send(200, data, [("content-type", "text/event-stream")])
                 self._send(status, json.dumps(answer).encode(), [("content-type", "application/json")])
@@ -39,8 +49,13 @@ class IrisStub:
     def answer(self, body: dict, auth: str) -> tuple[int, dict]:
         with self.lock:
             self.bodies.append(body)
-            parts = [p for m in body["messages"] if isinstance(m.get("content"), list) for p in m["content"]
-                     if p.get("type") in ("image_url", "video_url")]
+            parts = [
+                p
+                for m in body["messages"]
+                if isinstance(m.get("content"), list)
+                for p in m["content"]
+                if p.get("type") in ("image_url", "video_url")
+            ]
             missing, learned = [], []
             for i, part in enumerate(parts):
                 uid, url = part.get("uuid"), (part.get("image_url") or {}).get("url")
@@ -50,13 +65,36 @@ class IrisStub:
                     continue
                 if uid is not None and uid.startswith("blake3:") and url.startswith("data:"):
                     if uid != "blake3:" + blake3(base64.b64decode(url.split(",", 1)[1])).hexdigest():
-                        return 400, {"error": {"message": "mismatch", "type": "invalid_request_error",
-                                               "param": None, "code": "invalid_content_uuid"}}
+                        return 400, {
+                            "error": {
+                                "message": "mismatch",
+                                "type": "invalid_request_error",
+                                "param": None,
+                                "code": "invalid_content_uuid",
+                            }
+                        }
                 learned.append((auth, uid))
             if missing:
-                return 409, {"error": {"message": "miss", "type": "invalid_request_error", "param": "messages",
-                                       "code": "mm_cache_miss", "missing": missing}}
+                return 409, {
+                    "error": {
+                        "message": "miss",
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": "mm_cache_miss",
+                        "missing": missing,
+                    }
+                }
             self.known.update(k for k in learned if k[1] is not None)
-            return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": f"{len(parts)} images"},
-                                      "finish_reason": "stop"}]}
+            return 200, {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"{len(parts)} images"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }

@@ -46,8 +46,12 @@ class TraceReceiver:
 
     def find(self, name: str, attribute: str, value) -> list[Span]:
         with self._lock:
-            return [s for spans in self._spans.values() for s in spans
-                    if s.name == name and s.attributes.get(attribute) == value]
+            return [
+                s
+                for spans in self._spans.values()
+                for s in spans
+                if s.name == name and s.attributes.get(attribute) == value
+            ]
 
     def wait(self, ready, timeout_s: float = 30.0):
         """`ready()`'s first truthy value, asked until the timeout (spans leave in batches)."""
@@ -94,8 +98,17 @@ def spans_of(request: ExportTraceServiceRequest) -> list[Span]:
     for resource_spans in request.resource_spans:
         resource = _attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
-            spans += [Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                           resource.get("service.name", ""), _attributes(s.attributes)) for s in scope_spans.spans]
+            spans += [
+                Span(
+                    s.name,
+                    s.trace_id.hex(),
+                    s.span_id.hex(),
+                    s.parent_span_id.hex(),
+                    resource.get("service.name", ""),
+                    _attributes(s.attributes),
+                )
+                for s in scope_spans.spans
+            ]
     return spans
 
 

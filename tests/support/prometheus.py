@@ -15,8 +15,10 @@ import httpx
 
 from tests.cache_fixtures import free_port
 
-INSTALL_HINT = ("prometheus is not installed: `apt-get install -y prometheus` (Debian/Ubuntu; .ci/run and "
-                "scripts/install.sh, run as root, install it), or put a prometheus binary on PATH")
+INSTALL_HINT = (
+    "prometheus is not installed: `apt-get install -y prometheus` (Debian/Ubuntu; .ci/run and "
+    "scripts/install.sh, run as root, install it), or put a prometheus binary on PATH"
+)
 
 
 def prometheus_binary() -> str:
@@ -44,12 +46,20 @@ def prometheus(sd_file: Path, scrape_interval_s: float = 1.0, timeout_s: float =
     (folder / "prometheus.yml").write_text(
         f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
         f"scrape_configs:\n  - job_name: ray\n    file_sd_configs:\n      - files: ['{sd_file}']\n"
-        f"        refresh_interval: 5s\n")
+        f"        refresh_interval: 5s\n"
+    )
     port = free_port()
     log = open(folder / "prometheus.log", "wb")
-    process = subprocess.Popen([binary, f"--config.file={folder / 'prometheus.yml'}",
-                                f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                               stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -27,7 +27,7 @@ def sse_events(body: str | Iterable[str]) -> list[str]:
                 events.append("\n".join(data))
                 data = []
         elif line.startswith("data:"):
-            value = line[len("data:"):]
+            value = line[len("data:") :]
             data.append(value[1:] if value.startswith(" ") else value)
         else:
             assert line.startswith(":"), f"not a data line of a server-sent event stream: {line!r}"

@@ -19,8 +19,10 @@ def clip_bytes(name: str = "clip", smooth: bool = False, **override) -> bytes:
     import cv2
 
     frames, width, height, fps, seed = CLIPS[name]
-    frames, width, height, fps, seed = (override.get(k, v) for k, v in
-                                        zip(("frames", "width", "height", "fps", "seed"), (frames, width, height, fps, seed)))
+    frames, width, height, fps, seed = (
+        override.get(k, v)
+        for k, v in zip(("frames", "width", "height", "fps", "seed"), (frames, width, height, fps, seed))
+    )
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "clip.mp4"

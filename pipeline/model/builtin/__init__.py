@@ -78,76 +78,170 @@ QWEN2_SIZES = {  # Qwen2-VL and Qwen2.5-VL
     "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 14, "bfloat16"),
 }
 # The real models' dimensions (their config.json: llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-7B-Instruct).
-LLAVA_1_5_7B = Spec(4096, 32, 32, 32, 1024, 24, 16, 336, 14, "bfloat16", text_intermediate=11008,
-                    vocab_size=32064, fast_build=True)
-QWEN2_5_VL_7B = Spec(3584, 28, 28, 4, 1280, 32, 16, 3584, 14, "bfloat16",  # 3584²: max_pixels 12845056
-                     text_intermediate=18944, vision_intermediate=3420, vocab_size=152064,
-                     vision_full_attention=(7, 15, 23, 31), fast_build=True)
+LLAVA_1_5_7B = Spec(
+    4096, 32, 32, 32, 1024, 24, 16, 336, 14, "bfloat16", text_intermediate=11008, vocab_size=32064, fast_build=True
+)
+QWEN2_5_VL_7B = Spec(
+    3584,
+    28,
+    28,
+    4,
+    1280,
+    32,
+    16,
+    3584,
+    14,
+    "bfloat16",  # 3584²: max_pixels 12845056
+    text_intermediate=18944,
+    vision_intermediate=3420,
+    vocab_size=152064,
+    vision_full_attention=(7, 15, 23, 31),
+    fast_build=True,
+)
 BUILDERS = {
-    "llava": Builtin("LLaVA", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-        "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
-        "7b": LLAVA_1_5_7B,
-    }, llava.build),
+    "llava": Builtin(
+        "LLaVA",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+            "bench": Spec(256, 2, 4, 2, 768, 12, 12, 224, 16, "bfloat16"),
+            "7b": LLAVA_1_5_7B,
+        },
+        llava.build,
+    ),
     "qwen2_vl": Builtin("Qwen2-VL", QWEN2_SIZES, qwen2_vl.build),
     "qwen2_5_vl": Builtin("Qwen2.5-VL", {**QWEN2_SIZES, "7b": QWEN2_5_VL_7B}, qwen2_vl.build_2_5),
-    "qwen3_vl": Builtin("Qwen3-VL", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
-    }, qwen3_vl.build),
-    "qwen3_5": Builtin("Qwen3.5", {
-        # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
-        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
-    }, qwen3_5.build),
-    "qwen3_vl_moe": Builtin("Qwen3-VL-MoE", {
-        # 4 experts, 2 active, expert MLP 96 wide (not square: vLLM and transformers transpose by layout)
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
-    }, qwen3_vl_moe.build, tested="engine"),
-    "qwen3_5_moe": Builtin("Qwen3.5-MoE", {
-        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
-    }, qwen3_5_moe.build, tested="engine"),
-    "llava_next": Builtin("LLaVA-NeXT", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    }, llava_next.build),
-    "internvl": Builtin("InternVL", {
-        # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    }, internvl.build),
-    "internvl_chat": Builtin("InternVL (original format)", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    }, internvl_chat.build, tested="engine", engine_args={"trust_remote_code": True}),
-    "minicpmv4_6": Builtin("MiniCPM-V 4.6", {
-        # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
-        # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
-        "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
-    }, minicpmv4_6.build),
-    "gemma3": Builtin("Gemma 3", {
-        # 64 px of 8 px patches: 8x8 patches, average-pooled to 4x4 = 16 tokens an image.
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 8, "float32"),
-    }, gemma3.build),
-    "idefics3": Builtin("Idefics3", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
-    }, idefics3.build, tested="engine"),
-    "glm4v": Builtin("GLM-4.1V", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
-    }, glm4v.build, tested="engine"),
-    "smolvlm": Builtin("SmolVLM", {
-        # 64 px tiles of 16 px patches, pixel shuffle x2: 4 tokens a tile, up to 2x2 tiles + a global view
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
-    }, smolvlm.build, tested="engine"),
-    "llama4": Builtin("Llama 4", {
-        # 112 px tiles of 14 px patches, pixel-shuffled to 16 tokens a tile; a dense and an MoE layer
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
-    }, llama4.build, tested="engine"),
-    "llava_onevision": Builtin("LLaVA-OneVision", {
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    }, llava_onevision.build, tested="engine"),
-    "paligemma": Builtin("PaliGemma", {  # 16 tokens an image; vLLM takes one image a prompt
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
-    }, paligemma.build, tested="engine"),
-    "mistral3": Builtin("Mistral 3", {
-        # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
-        "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
-    }, mistral3.build, tested="engine"),
+    "qwen3_vl": Builtin(
+        "Qwen3-VL",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
+        },
+        qwen3_vl.build,
+    ),
+    "qwen3_5": Builtin(
+        "Qwen3.5",
+        {
+            # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
+        },
+        qwen3_5.build,
+    ),
+    "qwen3_vl_moe": Builtin(
+        "Qwen3-VL-MoE",
+        {
+            # 4 experts, 2 active, expert MLP 96 wide (not square: vLLM and transformers transpose by layout)
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 16, "float32"),
+        },
+        qwen3_vl_moe.build,
+        tested="engine",
+    ),
+    "qwen3_5_moe": Builtin(
+        "Qwen3.5-MoE",
+        {
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 112, 16, "bfloat16"),
+        },
+        qwen3_5_moe.build,
+        tested="engine",
+    ),
+    "llava_next": Builtin(
+        "LLaVA-NeXT",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        },
+        llava_next.build,
+    ),
+    "internvl": Builtin(
+        "InternVL",
+        {
+            # 56 px tiles of 14 px patches: 4x4 patches, pixel-shuffled (ratio 0.5) to 4 tokens a tile.
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        },
+        internvl.build,
+    ),
+    "internvl_chat": Builtin(
+        "InternVL (original format)",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        },
+        internvl_chat.build,
+        tested="engine",
+        engine_args={"trust_remote_code": True},
+    ),
+    "minicpmv4_6": Builtin(
+        "MiniCPM-V 4.6",
+        {
+            # image_size: scale_resolution (side of one view); patch 4 gives 16 tokens per view.
+            # bfloat16: vLLM's CPU Gated DeltaNet kernel takes BF16 only (float32 fails at the first step).
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
+        },
+        minicpmv4_6.build,
+    ),
+    "gemma3": Builtin(
+        "Gemma 3",
+        {
+            # 64 px of 8 px patches: 8x8 patches, average-pooled to 4x4 = 16 tokens an image.
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 8, "float32"),
+        },
+        gemma3.build,
+    ),
+    "idefics3": Builtin(
+        "Idefics3",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
+        },
+        idefics3.build,
+        tested="engine",
+    ),
+    "glm4v": Builtin(
+        "GLM-4.1V",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+        },
+        glm4v.build,
+        tested="engine",
+    ),
+    "smolvlm": Builtin(
+        "SmolVLM",
+        {
+            # 64 px tiles of 16 px patches, pixel shuffle x2: 4 tokens a tile, up to 2x2 tiles + a global view
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 64, 16, "float32"),
+        },
+        smolvlm.build,
+        tested="engine",
+    ),
+    "llama4": Builtin(
+        "Llama 4",
+        {
+            # 112 px tiles of 14 px patches, pixel-shuffled to 16 tokens a tile; a dense and an MoE layer
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 112, 14, "float32"),
+        },
+        llama4.build,
+        tested="engine",
+    ),
+    "llava_onevision": Builtin(
+        "LLaVA-OneVision",
+        {
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        },
+        llava_onevision.build,
+        tested="engine",
+    ),
+    "paligemma": Builtin(
+        "PaliGemma",
+        {  # 16 tokens an image; vLLM takes one image a prompt
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
+        },
+        paligemma.build,
+        tested="engine",
+    ),
+    "mistral3": Builtin(
+        "Mistral 3",
+        {
+            # image_size: a multiple of patch × merge, so padded images never exceed the tower's rope grid
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
+        },
+        mistral3.build,
+        tested="engine",
+    ),
 }
 FAMILIES = tuple(BUILDERS)
 APP_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tested == "app")
@@ -155,7 +249,9 @@ ENGINE_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tes
 SIZES = ("tiny", "bench", "7b")
 
 # Bump when the builder's output changes, so cached built-in checkpoints are rebuilt.
-BUILDER_VERSION = 4  # 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images; 3: InternVL's too; 4: Qwen3-VL has tool and thinking tokens and a template with tools
+# 2: Qwen chat templates place videos; Qwen2-VL frames sized like its images; 3: InternVL's too;
+# 4: Qwen3-VL has tool and thinking tokens and a template with tools
+BUILDER_VERSION = 4
 
 
 def available() -> list[tuple[str, str]]:
@@ -182,8 +278,9 @@ def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
             torch.cuda.empty_cache()  # the process may serve next (a replica that built it): free the GPU
     else:
         builtin.build(spec, out)
-    (out / "iris_builtin.json").write_text(json.dumps(
-        {"family": family, "size": size, "builder_version": BUILDER_VERSION, "seed": SEED}, indent=2))
+    (out / "iris_builtin.json").write_text(
+        json.dumps({"family": family, "size": size, "builder_version": BUILDER_VERSION, "seed": SEED}, indent=2)
+    )
     return out
 
 

@@ -45,8 +45,7 @@ class Spec:
         return self.vision_intermediate or 4 * self.vision_hidden
 
 
-def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: str, vocab_size: int = 0,
-                         **extra):
+def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, pad: str, vocab_size: int = 0, **extra):
     """A byte-level BPE tokenizer with the 256 byte symbols and no merges. With `vocab_size`, padded
     to that many tokens (special ones included) with 3-symbol tokens that no text encodes to (there
     are no merges) but that decode to bytes like any other: a language model of a real model's
@@ -57,7 +56,7 @@ def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, p
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}
     padding = vocab_size - len(vocab) - len(special_tokens) if vocab_size else 0
-    if padding < 0 or padding >= 256 ** 3:
+    if padding < 0 or padding >= 256**3:
         raise ValueError(f"vocab_size {vocab_size}: not between {len(vocab) + len(special_tokens)} and 256³")
     for i in range(padding):
         vocab[alphabet[i % 256] + alphabet[i // 256 % 256] + alphabet[i // 65536]] = len(vocab)
@@ -66,8 +65,12 @@ def byte_level_tokenizer(special_tokens: list[str], bos: str | None, eos: str, p
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(special_tokens)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-        unk_token="<unk>" if "<unk>" in special_tokens else None, **extra,
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        unk_token="<unk>" if "<unk>" in special_tokens else None,
+        **extra,
     )
 
 
@@ -77,29 +80,56 @@ def token_ids(tokenizer, tokens: list[str]) -> dict[str, int]:
 
 def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
     """The special-token ids of a Qwen-VL config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
-    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
 
 
-def chat_template(user_prefix: str, user_suffix: str, assistant_prefix: str, assistant_suffix: str,
-                  image: str, generation_prompt: str, system_prefix: str = "", system_suffix: str = "\n",
-                  bos: str = "", video: str | None = None) -> str:
+def chat_template(
+    user_prefix: str,
+    user_suffix: str,
+    assistant_prefix: str,
+    assistant_suffix: str,
+    image: str,
+    generation_prompt: str,
+    system_prefix: str = "",
+    system_suffix: str = "\n",
+    bos: str = "",
+    video: str | None = None,
+) -> str:
     """A Jinja chat template: text and image parts (and video parts, given `video`) of user
     messages, string or list content."""
-    text_of = ("{{ message['content'] if message['content'] is string "
-               "else message['content'] | map(attribute='text') | join('') }}")
+    text_of = (
+        "{{ message['content'] if message['content'] is string "
+        "else message['content'] | map(attribute='text') | join('') }}"
+    )
     return (
         bos + "{% for message in messages %}"
-        "{% if message['role'] == 'system' %}" + system_prefix + text_of + system_suffix +
-        "{% elif message['role'] == 'user' %}" + user_prefix +
-        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% if message['role'] == 'system' %}"
+        + system_prefix
+        + text_of
+        + system_suffix
+        + "{% elif message['role'] == 'user' %}"
+        + user_prefix
+        + "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}" + image +
-        ("{% elif part['type'] == 'video' %}" + video if video is not None else "") +
-        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}" + user_suffix +
-        "{% else %}" + assistant_prefix + text_of + assistant_suffix + "{% endif %}{% endfor %}"
+        "{% if part['type'] == 'image' %}"
+        + image
+        + ("{% elif part['type'] == 'video' %}" + video if video is not None else "")
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        + user_suffix
+        + "{% else %}"
+        + assistant_prefix
+        + text_of
+        + assistant_suffix
+        + "{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
     )
 
@@ -135,5 +165,5 @@ def hub_vision_tower_name(name: str) -> str:
     `vision_tower.vision_model.<...>` (as in llava-hf checkpoints)."""
     for prefix in ("model.vision_tower.", "vision_tower."):
         if name.startswith(prefix) and not name.startswith(prefix + "vision_model."):
-            return prefix + "vision_model." + name[len(prefix):]
+            return prefix + "vision_model." + name[len(prefix) :]
     return name

@@ -25,10 +25,15 @@ NL = "{{ '\\n' }}"
 # Items as the original's template writes them: `<image>` / `<video>` text, which vLLM's processor
 # replaces by the item's `<img><IMG_CONTEXT>...</img>` tokens.
 TEMPLATE = chat_template(
-    user_prefix="<|im_start|>user" + NL, user_suffix="<|im_end|>" + NL,
-    assistant_prefix="<|im_start|>assistant" + NL, assistant_suffix="<|im_end|>" + NL,
-    image="<image>" + NL, generation_prompt="<|im_start|>assistant" + NL,
-    system_prefix="<|im_start|>system" + NL, system_suffix="<|im_end|>" + NL, video="<video>" + NL,
+    user_prefix="<|im_start|>user" + NL,
+    user_suffix="<|im_end|>" + NL,
+    assistant_prefix="<|im_start|>assistant" + NL,
+    assistant_suffix="<|im_end|>" + NL,
+    image="<image>" + NL,
+    generation_prompt="<|im_start|>assistant" + NL,
+    system_prefix="<|im_start|>system" + NL,
+    system_suffix="<|im_end|>" + NL,
+    video="<video>" + NL,
 )
 
 VISION_CONFIG_CODE = '''"""InternViT's config, as in OpenGVLab's InternVL checkpoints (written by Iris for a tiny
@@ -114,8 +119,10 @@ _RENAMES = [
     (r"^vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
     (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_model.embeddings.patch_embedding."),
     (r"^vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.",
-     r"vision_model.encoder.layers.\1.attn.proj."),
+    (
+        r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.",
+        r"vision_model.encoder.layers.\1.attn.proj.",
+    ),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_1$", r"vision_model.encoder.layers.\1.ls1"),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_2$", r"vision_model.encoder.layers.\1.ls2"),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_model.encoder.layers.\1.norm1."),
@@ -157,26 +164,51 @@ def build(spec: Spec, out: Path) -> None:
     tokenizer = byte_level_tokenizer(SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL}
     text = dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=len(tokenizer),
-        hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden, num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_kv_heads, max_position_embeddings=4096,
-        rope_theta=1000000.0, initializer_range=INIT_RANGE, tie_word_embeddings=False,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=4 * spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
         dtype=spec.dtype,
     )
     vision = dict(
-        hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size, patch_size=spec.patch_size, initializer_range=INIT_RANGE,
+        hidden_size=spec.vision_hidden,
+        intermediate_size=4 * spec.vision_hidden,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        initializer_range=INIT_RANGE,
     )
     # The weights: transformers' InternVL (the Hugging Face format of the same model), renamed.
     hf_config = InternVLConfig(
         text_config={k: v for k, v in text.items() if k not in ("architectures", "dtype")},
-        vision_config={**vision, "image_size": [spec.image_size] * 2, "patch_size": [spec.patch_size] * 2,
-                       "attention_bias": True, "norm_type": "layer_norm", "use_qk_norm": False,
-                       "use_mean_pooling": True, "layer_scale_init_value": 1.0},
-        image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=DOWNSAMPLE_RATIO, projector_hidden_act="gelu",
-        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
+        vision_config={
+            **vision,
+            "image_size": [spec.image_size] * 2,
+            "patch_size": [spec.patch_size] * 2,
+            "attention_bias": True,
+            "norm_type": "layer_norm",
+            "use_qk_norm": False,
+            "use_mean_pooling": True,
+            "layer_scale_init_value": 1.0,
+        },
+        image_token_id=ids["<IMG_CONTEXT>"],
+        downsample_ratio=DOWNSAMPLE_RATIO,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
     )
     hf_config.initializer_range = INIT_RANGE
     model = InternVLForConditionalGeneration(hf_config)
@@ -188,20 +220,41 @@ def build(spec: Spec, out: Path) -> None:
         weights = {}
         for path in sorted(Path(tmp).glob("*.safetensors")):
             weights.update(load_file(str(path)))
-    save_file({n: t.contiguous() for n, t in original_weights(weights).items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in original_weights(weights).items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
     config = {
-        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+        "architectures": ["InternVLChatModel"],
+        "model_type": "internvl_chat",
         "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
-        "vision_config": {**vision, "architectures": ["InternVisionModel"], "model_type": "intern_vit_6b",
-                          "qkv_bias": True, "qk_normalization": False, "norm_type": "layer_norm",
-                          "layer_norm_eps": 1e-6, "hidden_act": "gelu", "initializer_factor": 1.0,
-                          "use_flash_attn": False, "dtype": spec.dtype},
-        "llm_config": text, "select_layer": -1, "force_image_size": spec.image_size,
-        "downsample_ratio": DOWNSAMPLE_RATIO, "template": "internvl2_5", "dynamic_image_size": True,
-        "use_thumbnail": True, "ps_version": "v2", "min_dynamic_patch": 1, "max_dynamic_patch": MAX_TILES,
-        "tie_word_embeddings": False, "dtype": spec.dtype,
+        "vision_config": {
+            **vision,
+            "architectures": ["InternVisionModel"],
+            "model_type": "intern_vit_6b",
+            "qkv_bias": True,
+            "qk_normalization": False,
+            "norm_type": "layer_norm",
+            "layer_norm_eps": 1e-6,
+            "hidden_act": "gelu",
+            "initializer_factor": 1.0,
+            "use_flash_attn": False,
+            "dtype": spec.dtype,
+        },
+        "llm_config": text,
+        "select_layer": -1,
+        "force_image_size": spec.image_size,
+        "downsample_ratio": DOWNSAMPLE_RATIO,
+        "template": "internvl2_5",
+        "dynamic_image_size": True,
+        "use_thumbnail": True,
+        "ps_version": "v2",
+        "min_dynamic_patch": 1,
+        "max_dynamic_patch": MAX_TILES,
+        "tie_word_embeddings": False,
+        "dtype": spec.dtype,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "configuration_intern_vit.py").write_text(VISION_CONFIG_CODE)

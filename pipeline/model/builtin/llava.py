@@ -24,7 +24,8 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' %}<image>{{ '\\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}{{ '\\n' }}"
     "{% else %}ASSISTANT: "
-    "{{ message['content'] if message['content'] is string else message['content'] | map(attribute='text') | join('') }}"
+    "{{ message['content'] if message['content'] is string "
+    "else message['content'] | map(attribute='text') | join('') }}"
     "</s>{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
@@ -39,25 +40,39 @@ def clip_llama(spec: Spec):
     tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>", vocab_size=spec.vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL}
     vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden, intermediate_size=spec.vision_mlp(),
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size, patch_size=spec.patch_size, projection_dim=spec.vision_hidden,
+        hidden_size=spec.vision_hidden,
+        intermediate_size=spec.vision_mlp(),
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        projection_dim=spec.vision_hidden,
         initializer_range=INIT_RANGE,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp(),
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads, max_position_embeddings=4096,
-        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
-        initializer_range=INIT_RANGE, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp(),
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
     )
     return tokenizer, ids, vision, text
 
 
 def llava_processor(processor_class, image_processor, tokenizer, spec: Spec):
     return processor_class(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=spec.patch_size,
-        vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=spec.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_CHAT_TEMPLATE,
         num_additional_image_tokens=1,
     )
 
@@ -73,16 +88,25 @@ def build(spec: Spec, out: Path) -> None:
     tokenizer, ids, vision, text = clip_llama(spec)
     num_patches = (spec.image_size // spec.patch_size) ** 2
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=ids["<image>"],
-        projector_hidden_act="gelu", vision_feature_layer=-2,
-        vision_feature_select_strategy="default", image_seq_length=num_patches,
-        pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["<image>"],
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=num_patches,
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
     )
     config.initializer_range = INIT_RANGE
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": spec.image_size},
         crop_size={"height": spec.image_size, "width": spec.image_size},
-        do_center_crop=True, do_resize=True, do_normalize=True, do_convert_rgb=True,
+        do_center_crop=True,
+        do_resize=True,
+        do_normalize=True,
+        do_convert_rgb=True,
         **CLIP_MEAN_STD,
     )
     processor = llava_processor(LlavaProcessor, image_processor, tokenizer, spec)

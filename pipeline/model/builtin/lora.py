@@ -23,13 +23,16 @@ from pipeline.model.builtin.common import SEED
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A decoder layer's attention projection of the language model (not the tower's: its blocks are
 # `visual.blocks.N` / `vision_tower...`, and its projections are named otherwise).
-_PROJECTION = re.compile(r"^(?P<prefix>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.\d+\.self_attn\.)"
-                         r"(?P<target>" + "|".join(TARGETS) + r")\.weight$")
+_PROJECTION = re.compile(
+    r"^(?P<prefix>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.\d+\.self_attn\.)"
+    r"(?P<target>" + "|".join(TARGETS) + r")\.weight$"
+)
 INIT_STD = 0.2
 
 
-def build_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, rank: int = 8, alpha: int = 16,
-               seed: int = SEED) -> Path:
+def build_lora(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, rank: int = 8, alpha: int = 16, seed: int = SEED
+) -> Path:
     """Write the adapter for the checkpoint's language model to `out` and return its path."""
     import torch
     from safetensors import safe_open
@@ -52,12 +55,29 @@ def build_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, rank: int 
         tensors[f"{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * INIT_STD
         tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * INIT_STD
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(checkpoint),
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted({_PROJECTION.match(n)["target"] for n in shapes}),
-        "modules_to_save": None, "use_rslora": False, "use_dora": False, "inference_mode": True,
-    }, indent=2))
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(checkpoint),
+                "r": rank,
+                "lora_alpha": alpha,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "target_modules": sorted({_PROJECTION.match(n)["target"] for n in shapes}),
+                "modules_to_save": None,
+                "use_rslora": False,
+                "use_dora": False,
+                "inference_mode": True,
+            },
+            indent=2,
+        )
+    )
     return out

@@ -27,23 +27,40 @@ from pipeline.model.builtin.qwen3_5 import hybrid_text_config
 MAX_SLICES = 4
 
 MINICPMV4_6_SPECIAL = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<image>", "</image>",
-    "<slice>", "</slice>", "<image_id>", "</image_id>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<image>",
+    "</image>",
+    "<slice>",
+    "</slice>",
+    "<image_id>",
+    "</image_id>",
 ]
 
 # tokenizer attributes MiniCPMV4_6Processor and vLLM read (tokenizer.image_token, ...)
 MINICPMV4_6_TOKEN_ATTRS = {
-    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-    "image_start_token": "<image>", "image_end_token": "</image>",
-    "slice_start_token": "<slice>", "slice_end_token": "</slice>",
-    "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "image_start_token": "<image>",
+    "image_end_token": "</image>",
+    "slice_start_token": "<slice>",
+    "slice_end_token": "</slice>",
+    "image_id_start_token": "<image_id>",
+    "image_id_end_token": "</image_id>",
 }
 
 MINICPMV4_6_CHAT_TEMPLATE = chat_template(
-    user_prefix="<|im_start|>user\n", user_suffix="<|im_end|>\n",
-    assistant_prefix="<|im_start|>assistant\n", assistant_suffix="<|im_end|>\n",
-    image="<|image_pad|>\n", generation_prompt="<|im_start|>assistant\n",
-    system_prefix="<|im_start|>system\n", system_suffix="<|im_end|>\n",
+    user_prefix="<|im_start|>user\n",
+    user_suffix="<|im_end|>\n",
+    assistant_prefix="<|im_start|>assistant\n",
+    assistant_suffix="<|im_end|>\n",
+    image="<|image_pad|>\n",
+    generation_prompt="<|im_start|>assistant\n",
+    system_prefix="<|im_start|>system\n",
+    system_suffix="<|im_end|>\n",
 )
 
 
@@ -56,32 +73,53 @@ def build(spec: Spec, out: Path) -> None:
         MiniCPMV4_6VideoProcessor,
     )
 
-    tokenizer = byte_level_tokenizer(MINICPMV4_6_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-                                     extra_special_tokens=MINICPMV4_6_TOKEN_ATTRS)
+    tokenizer = byte_level_tokenizer(
+        MINICPMV4_6_SPECIAL,
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        extra_special_tokens=MINICPMV4_6_TOKEN_ATTRS,
+    )
     ids = token_ids(tokenizer, MINICPMV4_6_SPECIAL)
     text = {"model_type": "qwen3_5_text", **hybrid_text_config(spec, tokenizer)}
     vision = dict(
-        hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size, patch_size=spec.patch_size, initializer_range=INIT_RANGE,
+        hidden_size=spec.vision_hidden,
+        intermediate_size=4 * spec.vision_hidden,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        initializer_range=INIT_RANGE,
     )
     config = MiniCPMV4_6Config(
-        text_config=text, vision_config=vision, insert_layer_id=spec.vision_layers // 2 - 1,
-        image_size=spec.image_size, drop_vision_last_layer=False, downsample_mode="16x",
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"], tie_word_embeddings=False,
+        text_config=text,
+        vision_config=vision,
+        insert_layer_id=spec.vision_layers // 2 - 1,
+        image_size=spec.image_size,
+        drop_vision_last_layer=False,
+        downsample_mode="16x",
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        tie_word_embeddings=False,
     )
     config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     config.initializer_range = INIT_RANGE
     common = dict(
-        max_slice_nums=MAX_SLICES, scale_resolution=spec.image_size, patch_size=spec.patch_size,
-        slice_mode=True, downsample_mode="16x", use_image_id=True,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        max_slice_nums=MAX_SLICES,
+        scale_resolution=spec.image_size,
+        patch_size=spec.patch_size,
+        slice_mode=True,
+        downsample_mode="16x",
+        use_image_id=True,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(**common),
         video_processor=MiniCPMV4_6VideoProcessor(**common, max_num_frames=4),
-        tokenizer=tokenizer, chat_template=MINICPMV4_6_CHAT_TEMPLATE,
+        tokenizer=tokenizer,
+        chat_template=MINICPMV4_6_CHAT_TEMPLATE,
     )
     model = MiniCPMV4_6ForConditionalGeneration(config)
     save(model, processor, tokenizer, spec, out)

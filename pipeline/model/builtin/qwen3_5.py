@@ -35,9 +35,12 @@ def build_hybrid(spec: Spec, out: Path, config_class, model_class, text_config=l
     tokenizer = byte_level_tokenizer(QWEN2_VL_SPECIAL, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
     ids = token_ids(tokenizer, QWEN2_VL_SPECIAL)
     config = config_class(
-        text_config=text_config(hybrid_text_config(spec, tokenizer)), vision_config=vision_config(spec, deepstack=False),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=text_config(hybrid_text_config(spec, tokenizer)),
+        vision_config=vision_config(spec, deepstack=False),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
     config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
@@ -55,17 +58,32 @@ def hybrid_text_config(spec: Spec, tokenizer) -> dict:
     head_dim = spec.text_hidden // spec.text_heads
     half = head_dim // 8  # half the rotary dims (partial_rotary_factor 0.25)
     return dict(
-        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=4 * spec.text_hidden,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads, head_dim=head_dim,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=4 * spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        head_dim=head_dim,
         # full attention first (the hub's puts it last): a random Gated DeltaNet layer decays the
         # early image tokens away before the last position, so greedy output ignored the image
         layer_types=["full_attention"] + ["linear_attention"] * (spec.text_layers - 1),
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,  # CPU GDN kernel: 128
-        linear_num_key_heads=1, linear_num_value_heads=2, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
-                         "mrope_interleaved": True},
-        initializer_range=INIT_RANGE, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,  # CPU GDN kernel: 128
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+            "mrope_interleaved": True,
+        },
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
     )

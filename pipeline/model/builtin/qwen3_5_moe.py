@@ -27,9 +27,13 @@ def build(spec: Spec, out: Path) -> None:
         # Expert and shared-expert width 3/4 of the hidden size (the 35B-A3B's are 512/2048): a multiple
         # of 32 for vLLM's CPU kernel, and the fused expert tensors never square.
         moe_width = spec.text_hidden * 3 // 4
-        text.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_ACTIVE, moe_intermediate_size=moe_width,
-                    shared_expert_intermediate_size=moe_width,
-                    norm_topk_prob=True)  # transformers always renormalises; vLLM's block reads this (default True)
+        text.update(
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_ACTIVE,
+            moe_intermediate_size=moe_width,
+            shared_expert_intermediate_size=moe_width,
+            norm_topk_prob=True,
+        )  # transformers always renormalises; vLLM's block reads this (default True)
         return text
 
     build_hybrid(spec, out, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, sparse)

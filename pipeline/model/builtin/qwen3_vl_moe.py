@@ -40,22 +40,37 @@ def build(spec: Spec, out: Path) -> None:
     half = head_dim // 2
     hw = half * 5 // 16  # t, h, w in Qwen3-VL's 24:20:20 ratio (as qwen3_vl.py)
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_mlp(),
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                         "mrope_section": [half - 2 * hw, hw, hw], "mrope_interleaved": True},
+        vocab_size=len(tokenizer),
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_mlp(),
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        num_key_value_heads=spec.text_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [half - 2 * hw, hw, hw],
+            "mrope_interleaved": True,
+        },
         # every layer sparse. Expert MLP width 3/4 of the hidden size (the 30B-A3B's 768/2048 is 3/8):
         # a multiple of 32 for vLLM's CPU kernel, and neither it nor twice it the hidden size, so the
         # fused expert tensors are never square and both loaders orient them by shape unambiguously.
-        num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_ACTIVE, moe_intermediate_size=spec.text_hidden * 3 // 4,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,  # vLLM's Qwen3-MoE block reads it
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_ACTIVE,
+        moe_intermediate_size=spec.text_hidden * 3 // 4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,  # vLLM's Qwen3-MoE block reads it
         # the text config's own default is True, and vLLM's language model reads this one, not the top level's
         tie_word_embeddings=False,
-        initializer_range=INIT_RANGE, pad_token_id=ids["<|endoftext|>"],
+        initializer_range=INIT_RANGE,
+        pad_token_id=ids["<|endoftext|>"],
     )
     config = Qwen3VLMoeConfig(
-        text_config=text, vision_config=vision_config(spec, deepstack=True),
+        text_config=text,
+        vision_config=vision_config(spec, deepstack=True),
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=False,
     )
@@ -77,5 +92,8 @@ def hub_expert_layout(out: Path) -> None:
     for path in sorted(out.glob("*.safetensors")):
         tensors = load_file(str(path))
         fused = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-        save_file({n: (t.transpose(1, 2) if n.endswith(fused) else t).contiguous() for n, t in tensors.items()},
-                  str(path), metadata={"format": "pt"})
+        save_file(
+            {n: (t.transpose(1, 2) if n.endswith(fused) else t).contiguous() for n, t in tensors.items()},
+            str(path),
+            metadata={"format": "pt"},
+        )
