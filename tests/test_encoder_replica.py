@@ -30,8 +30,8 @@ from tests.support.images import unique_png
 
 @pytest.fixture
 async def make_encoder(ray_cluster, tiny_checkpoint, namespace, monkeypatch):
-    """Factory of VisionEncoders (each a replica of its own: model, cache, batch queue) in this test's
-    namespace; shut down at teardown as Serve does."""
+    """Factory of VisionEncoders (each a replica of its own: model, cache; Serve's batch queue is the
+    class's, one per process as in a replica) in this test's namespace; shut down at teardown as Serve does."""
     # What Serve's batching asks of the replica it runs in (its max_ongoing_requests, Serve's default).
     replica = SimpleNamespace(_deployment_config=SimpleNamespace(max_ongoing_requests=5))
     monkeypatch.setattr(serve, "get_replica_context", lambda: replica)
@@ -51,6 +51,9 @@ async def make_encoder(ray_cluster, tiny_checkpoint, namespace, monkeypatch):
     for encoder in made:
         await shut_down(encoder)
         await encoder.cache.close()
+    # The batch queue this process made lives in the class's `_forward` wrapper, holding this loop's
+    # futures: dropped, or a later serve.run from this process could not pickle the deployment.
+    VisionEncoder.func_or_class._forward.set_max_batch_size.__self__._queue = None
 
 
 async def shut_down(encoder: VisionEncoder) -> None:

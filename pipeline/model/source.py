@@ -11,6 +11,7 @@ Accepted forms:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -77,3 +78,18 @@ def _ensure_builtin(model: str) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def checkpoint_dtype(checkpoint: str) -> str:
+    """The dtype a checkpoint was saved in (config.json), e.g. "bfloat16"; float32 if it says none. What the
+    benchmarks give every system alike (the stages resolve "auto" through vLLM: engine_settings.py)."""
+    path = Path(checkpoint) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+    else:  # a hub id
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(checkpoint).to_dict()
+    text = config.get("text_config") or {}
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(name or "float32").removeprefix("torch.")
