@@ -57,7 +57,8 @@ VARIANTS = sorted(
 # answer a video with a 400.
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
 VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["square"])}
-# Families with a hybrid (linear-attention) language model: vLLM's CPU build cannot prefill one token.
+# Families with a hybrid (linear-attention) language model: vLLM 0.32's CPU kernel for their prefill
+# raised on a lone 1-token prefill and ended the engine (pipeline/model/vllm_fixes.py fixes it).
 HYBRID_FAMILIES = ("qwen3_5", "minicpmv4_6")
 # Connector families' apps: deployed as serve_config.yaml is, with two decode replicas behind
 # Serve's default router (each request lands on either).
@@ -191,9 +192,9 @@ def test_features_equal_the_engine_encoder_output(systems, image):
 
 
 def test_one_token_prompt_leaves_the_replica_serving(systems):
-    """A 1-token prompt, once the end of vLLM's engine on its CPU kernel for linear attention when
-    Iris built the engine's prompts itself (Iris refused it then): through vLLM's own serving layer
-    it is served, on hybrid models too, and the replica answers the next request."""
+    """A 1-token prompt, the end of vLLM's engine on hybrid models on a CPU with BF16 instructions
+    (its conv1d kernel's stride check, fixed by pipeline/model/vllm_fixes.py): served, on hybrid
+    models too, and the replica answers the next request."""
     family, _, iris, _, _, _ = systems
     tokens = httpx.post(f"{iris}/tokenize", json={"model": NAME, "prompt": "a"}, timeout=60).json()["tokens"]
     r = httpx.post(f"{iris}/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2}, timeout=120)
