@@ -269,6 +269,15 @@ PRIVATE_APIS: tuple[Private, ...] = (
         "how vLLM's chat parser merges a request's image_embeds parts: the embedding input Iris checks at "
         "start-up is the one the engine will get",
     ),
+    Private(
+        "vllm",
+        "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
+        "_causal_conv1d_fwd_cpu",
+        "attr",
+        ("pipeline/model/vllm_fixes.py", "tests/test_vllm_fixes.py"),
+        "the CPU prefill conv1d of hybrid models, wrapped so a lone 1-token prefill reaches vLLM's kernel "
+        "in the layout it checks for (vLLM 0.32 ends the engine there); no public hook reaches the engine's kernels",
+    ),
     # --- httpx / httpcore ------------------------------------------------------------------
     Private(
         "httpx",

@@ -1,7 +1,8 @@
 """Fixes to vLLM that Iris's engines need, applied in every vLLM process as a vLLM general plugin
 (pyproject.toml's `vllm.general_plugins` entry point): the engine core runs in a spawned process
 (vLLM spawns inside a Ray actor), which only a plugin reaches. Each fix checks the code it
-replaces is still there and the fault still possible, so a vLLM that fixes it upstream runs as it ships.
+replaces is still there and changes only what that code would refuse, so a vLLM that no longer has
+the fault runs as it ships.
 
 One fix so far (vLLM 0.32, CPU build, a CPU with AVX-512 BF16 or ARM BF16):
 vLLM's C++ causal conv1d of a hybrid (linear-attention) model's prefill, e.g. Qwen3.5, MiniCPM-V 4.6,
@@ -15,13 +16,11 @@ dies. The row copied to its own storage is what the kernel expects; the values a
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 
 import torch
 
 logger = logging.getLogger(__name__)
-GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 
 
 def register() -> None:
@@ -36,8 +35,9 @@ def patch_single_token_conv1d() -> bool:
     """Wrap vLLM's CPU causal-conv1d prefill so a 1-token input has the strides its kernel checks.
     True when the wrapper is in place (now or from an earlier call)."""
     try:
-        module = importlib.import_module(GDN_CPU_MODULE)
-        original = module._causal_conv1d_fwd_cpu
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+        original = gdn_attention._causal_conv1d_fwd_cpu
     except (ImportError, AttributeError):  # another vLLM: nothing of this fault's shape to fix
         return False
     if getattr(original, "iris_fix", False):
@@ -48,7 +48,7 @@ def patch_single_token_conv1d() -> bool:
         return original(x=single_token_as_transposed(x), **kwargs)
 
     causal_conv1d_fwd_cpu.iris_fix = True
-    module._causal_conv1d_fwd_cpu = causal_conv1d_fwd_cpu
+    gdn_attention._causal_conv1d_fwd_cpu = causal_conv1d_fwd_cpu
     logger.debug("Iris: vLLM's CPU causal conv1d takes 1-token prefills (pipeline/model/vllm_fixes.py)")
     return True
 
