@@ -25,7 +25,6 @@ from contextlib import aclosing
 
 import torch
 from ray import serve
-from ray.exceptions import ObjectLostError
 from ray.serve.exceptions import RayServeException
 
 from cache_service.feature_cache import FeatureCache
@@ -400,18 +399,17 @@ class LLMDecode:
         delivered = {}
         for key, e in zip(refs, encoded):
             f = next(fetched) if isinstance(e, EncodedMedia) else e
-            if isinstance(f, ObjectLostError):
+            if isinstance(f, BaseException) and not isinstance(f, IrisError):
                 # The reference is a shortcut, the cache the record: under heavy load Ray has
-                # answered ReferenceCountingAssertionError for a live reference, and an
-                # encoder replica may have died since.
+                # answered ReferenceCountingAssertionError for a live reference, an encoder
+                # replica may have died since, or the ingress stopped that encode (it computes
+                # it again when one of the request's encodes was lost with its replica).
                 logger.warning(
                     "features of %s could not be fetched from the object store (%s); reading the cache",
                     key,
                     type(f).__name__,
                 )
                 continue
-            if isinstance(f, BaseException) and not isinstance(f, IrisError):
-                raise f
             delivered[key] = f
         return delivered
 

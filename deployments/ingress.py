@@ -31,7 +31,7 @@ from deployments.admission import Admission, caller, unrouted
 from deployments.config import IrisConfig
 from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
-from deployments.media_features import MediaFeatures, RequestMedia
+from deployments.media_features import EncodeLost, MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
 from deployments.request_parsing import RequestParser, VLLMAnswer, answer_id, forwarded_headers
 from deployments.stage_trace import mark
@@ -184,7 +184,17 @@ class Ingress:
             call = DecodeCall(
                 route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded, tracing.carrier()
             )
-            stream = await DecodeStream.open(self.decode, call, media.take_encodes())
+            try:
+                stream = await DecodeStream.open(self.decode, call, media.take_encodes())
+            except EncodeLost:
+                # An encoder or Preprocess replica died under this request's encode (killed,
+                # OOM, its node lost): computed again once, on a replica that lives.
+                if recomputed:
+                    raise
+                self.metrics.counts["encodes_lost"] += 1  # /iris/stats
+                recomputed = True
+                await self.features.encode_again(media)
+                continue
             first = stream.first
             if first.error is None and first.missing_keys is None:
                 mark("ingress.first_token")

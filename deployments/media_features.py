@@ -37,6 +37,7 @@ from cache_service.feature_cache import FeatureCache
 from cache_service.keys import InvalidContentUuid, item_key, parse_content_uuid
 from deployments import tracing
 from deployments.config import IrisConfig
+from deployments.failures import stage_failed
 from deployments.metrics import CacheMetrics, RequestMetrics
 from deployments.stage_trace import mark
 from pipeline.api.media_parts import MediaItem
@@ -62,6 +63,7 @@ class RequestMedia:
     # key -> ObjectRef of the VisionEncoder call computing it for this request (EncodedMedia or IrisError)
     delivered: dict = field(default_factory=dict)
     encodes: asyncio.Future | None = None  # this request's encodes (own and joined); None: nothing to wait for
+    encodings: dict = field(default_factory=dict)  # key -> the Encoding this request waits for
     cached: int = 0  # distinct items found in the cache (or computed by a concurrent request)
     computed: int = 0  # distinct items sent to Preprocess + VisionEncoder by this request
 
@@ -85,6 +87,15 @@ class Encoding:
 
     submitted: asyncio.Task  # -> the ObjectRef of the VisionEncoder call's result, once Serve has routed it
     done: asyncio.Task  # -> its EncodedMedia
+
+
+class EncodeLost(Exception):
+    """A replica of Preprocess or VisionEncoder died under the encode of `key` (its cause says
+    how): nothing is wrong with the item, so the request may compute it again, once."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the encode of {key} was lost with its replica")
+        self.key = key
 
 
 def cache_miss(indexes: list[int], names: list[str]) -> IrisError:
@@ -213,6 +224,14 @@ class MediaFeatures:
         if encode:
             await self._encode(media, [k for k in dict.fromkeys(media.keys) if k in gone])
 
+    async def encode_again(self, media: RequestMedia) -> None:
+        """After an EncodeLost: start again every encode of this request that did not finish (the
+        lost one, and those stopped with it when the request stopped waiting)."""
+        unfinished = [
+            k for k, e in media.encodings.items() if not e.done.done() or e.done.cancelled() or e.done.exception()
+        ]
+        await self._encode(media, unfinished)
+
     def forget_model(self) -> None:
         """A stage said the model changed: later requests key their items for the new weights."""
         self._fingerprint = None
@@ -298,6 +317,7 @@ class MediaFeatures:
         media.computed += len(own)
         waiting = own + joined
         encodings = [self._inflight[k] for k in waiting]
+        media.encodings.update(zip(waiting, encodings))
         # One encode's error is the request's answer: the request stops waiting for the others
         # (each stops when no other request waits for it).
         media.encodes = asyncio.ensure_future(all_or_none([self._join(k, e) for k, e in zip(waiting, encodings)]))
@@ -343,6 +363,10 @@ class MediaFeatures:
             except asyncio.CancelledError:
                 encoded.cancel()  # stop the replicas' work too (queued encoder batches drop it)
                 pixels.cancel()
+                raise
+            except Exception as err:
+                if stage_failed(err):
+                    raise EncodeLost(job.key) from err
                 raise
             if isinstance(result, IrisError):
                 if result.code == MODEL_CHANGED:
