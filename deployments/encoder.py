@@ -103,6 +103,10 @@ class VisionEncoder:
         self.batches = 0
         self.encoding = 0  # encode() calls in progress
         self.items_refused = 0  # items the tower raised on alone while it encoded others (400s)
+        self.refused_total = metrics.Counter(
+            "iris_encoder_items_refused",
+            description="Images and videos the vision tower raised on while it encoded others (answered 400)",
+        )
         self.request_timeout_s = config.request_timeout_s
         # One forward pass at a time on the device: batches, their items one by one, the probe.
         self.device = asyncio.Lock()
@@ -271,6 +275,7 @@ class VisionEncoder:
         modality = item.pixels.modality
         if tower_works and not isinstance(err, torch.cuda.OutOfMemoryError):
             self.items_refused += 1
+            self.refused_total.inc()
             logger.warning(
                 "the vision tower refused %s (%s: %s)", item.name, type(err).__name__, str(err)[:ERROR_TEXT_CHARS]
             )

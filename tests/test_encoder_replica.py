@@ -25,6 +25,7 @@ from deployments.encoder import HEALTH_PROBE_S, VisionEncoder
 from pipeline.errors import IrisError
 from pipeline.stage_io import EncodedMedia
 from tests.cache_fixtures import SHARED_REDIS_URL, assert_same_features, private_redis
+from tests.support.apps import metrics_text
 from tests.support.images import unique_png
 
 
@@ -127,6 +128,11 @@ async def test_an_item_the_tower_refuses_fails_alone_in_its_batch(make_encoder):
     lone = await encoder.encode(key_of(encoder, "tenant-a", bad_data), bad, "tenant-a", None, "image[0]")
     assert isinstance(lone, IrisError) and lone.status_code == 400 and encoder.stats()["refused"] == 2
     await encoder.check_health()
+    # Also a Prometheus counter (this process's metrics reach the node's exporter within seconds).
+    deadline = time.monotonic() + 60
+    while "iris_encoder_items_refused" not in metrics_text():
+        assert time.monotonic() < deadline, "iris_encoder_items_refused not exported"
+        await asyncio.sleep(1)
 
 
 async def test_health_check_probes_the_tower_only_when_nothing_shows_it_works(make_encoder):
