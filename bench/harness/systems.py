@@ -210,7 +210,8 @@ def iris_config(
 
     affinity_router=False removes LLMDecode's `request_router_config` (Serve's default router);
     `deployments` overrides settings per deployment name (e.g. a bench-only autoscaling_config);
-    `app_args` overrides application args (top-level keys, e.g. fair_sharing)."""
+    `app_args` overrides application args (top-level keys, e.g. fair_sharing; a mapping is merged into
+    the shipped one, e.g. {"cache": {"redis_url": ...}})."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
@@ -232,7 +233,8 @@ def iris_config(
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
-    args.update(copy.deepcopy(app_args or {}))
+    for key, value in copy.deepcopy(app_args or {}).items():  # a mapping (cache, ...) is merged, not replaced
+        args[key] = {**args[key], **value} if isinstance(value, dict) and isinstance(args.get(key), dict) else value
     for deployment in app["deployments"]:
         if deployment["name"] == "LLMDecode":
             deployment["autoscaling_config"] = {

@@ -2,8 +2,8 @@
 
 Before LLMDecode calls its engine with an item's key as the item's uuid, it writes the item's
 features to a file named by `staged_name(key)` in a folder of its own (Iris's value codec;
-/dev/shm where it can: the engine runs in processes of its own, and a file in tmpfs is the
-cheapest way in, one copy). The connector's scheduler side reads them from there
+/dev/shm where it can, or the folder $IRIS_EC_STAGING_DIR names: the engine runs in processes
+of its own, and a file in tmpfs is the cheapest way in, one copy). The connector's scheduler side reads them from there
 (`ec_transfer_config(staging_dir, ...)`); LLMDecode removes them when the request ends.
 
 Staging is an optimisation too: a write that fails (/dev/shm full, a read-only folder) leaves
@@ -33,6 +33,8 @@ from cache_service.keys import content_hash
 logger = logging.getLogger(__name__)
 
 SHM = Path("/dev/shm")
+# Where staging folders go instead of /dev/shm (a memory-backed volume of its own, say).
+STAGING_DIR_ENV = "IRIS_EC_STAGING_DIR"
 PREFIX = "iris-ec-"
 _FOLDER = re.compile(re.escape(PREFIX) + r"(\d+)-")
 
@@ -54,7 +56,8 @@ class FeatureStaging:
     at least one request that needs them is in flight."""
 
     def __init__(self, directory: str | os.PathLike | None = None):
-        base = directory or (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None)
+        shm = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+        base = directory or os.environ.get(STAGING_DIR_ENV) or shm
         self.swept = sweep_dead(Path(base or tempfile.gettempdir()))
         self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
         self._users: dict[str, int] = {}  # key -> requests in flight that staged it
