@@ -53,6 +53,7 @@ HEADER = """\
 #
 #   docker build -f cluster/Dockerfile -t {image} .     # push it where the cluster pulls from
 #   kubectl create secret generic iris-redis --from-literal=password="$(openssl rand -hex 24)"
+#   kubectl create secret generic iris-metric-salt --from-literal=salt="$(openssl rand -hex 24)"
 #   kubectl apply -k cluster/          # redis.yaml + networkpolicy.yaml + this RayService
 #   kubectl port-forward svc/iris-serve-svc 8000:8000
 #
@@ -67,6 +68,7 @@ VARIANT_HEADER = """\
 #
 #   docker build -f cluster/Dockerfile -t {image} .     # push it where the cluster pulls from
 #   kubectl create secret generic iris-redis --from-literal=password="$(openssl rand -hex 24)"
+#   kubectl create secret generic iris-metric-salt --from-literal=salt="$(openssl rand -hex 24)"
 #   kubectl apply -f cluster/redis.yaml -f cluster/networkpolicy.yaml -f {output}
 #   kubectl port-forward svc/iris-serve-svc 8000:8000
 #

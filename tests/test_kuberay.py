@@ -384,6 +384,14 @@ def test_every_ray_pod_gets_the_password_that_redis_url_names():
         assert _secret_env(container, "IRIS_REDIS_PASSWORD") == SECRET, container["name"]
 
 
+def test_every_ray_pod_gets_the_same_metric_salt_from_a_secret():
+    """Tenant labels of metrics are HMACs under IRIS_METRIC_SALT: without one salt on every pod,
+    each process draws its own and one tenant's series differ between replicas."""
+    for path in sorted((ROOT / "cluster").rglob("rayservice.yaml")):
+        for container in _containers(yaml.safe_load(path.read_text())):
+            assert _secret_env(container, "IRIS_METRIC_SALT") == {"name": "iris-metric-salt", "key": "salt"}, path
+
+
 def test_kustomization_lists_the_manifests():
     kustomization = yaml.safe_load((ROOT / "cluster/kustomization.yaml").read_text())
     assert set(kustomization["resources"]) == {"redis.yaml", "networkpolicy.yaml", "rayservice.yaml"}
