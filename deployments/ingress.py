@@ -247,16 +247,21 @@ class Ingress:
         """A streamed answer's body: vLLM's events. Once the stream has started, an error of Iris's
         (the deadline, a dead replica) is reported in-band, as vLLM does its own. The ticket goes
         back, charged, with LLMDecode's DecodeDone, which comes before the text that holds vLLM's
-        [DONE] (the client's next request may follow at once), or when the stream closes otherwise."""
+        [DONE] (the client's next request may follow at once), or when the stream closes otherwise;
+        the outcome is counted then too, so that a client reading /iris/stats after [DONE] sees it."""
+        counted = False
         try:
             try:
                 async for message in messages:
                     if isinstance(message, DecodeDone):
                         ticket.prompt_tokens = message.prompt_tokens
                         await self.admission.release(ticket)
+                        self.metrics.outcome("ok")
+                        counted = True
                     elif isinstance(message, str):
                         yield message
-                self.metrics.outcome("ok")
+                if not counted:
+                    self.metrics.outcome("ok")
             except Exception as err:
                 error = self._failure(err, "stream failed")
                 yield f"data: {json.dumps(error.to_dict())}\n\ndata: [DONE]\n\n"

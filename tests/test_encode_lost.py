@@ -7,6 +7,7 @@ ingress does that once per request (deployments/ingress.py `_open`)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import ray
@@ -47,7 +48,7 @@ class DyingEncoder:
             os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             return EncodedMedia(key, 1, ray.put(f"features of {pixels}"))
-        os._exit(1)
+        os.kill(os.getpid(), signal.SIGKILL)  # the replica dies with the encode in hand
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
