@@ -3,8 +3,13 @@
     python -m bench gpu                                   # both 7b models, the three systems, 1 and 16 clients
     python -m bench gpu --models qwen2_5_vl --systems iris,vllm
     python -m bench gpu --size tiny --models llava --systems iris,vllm --clients 1,2 --requests 4   # on a CPU
+    python -m bench gpu --tensor-parallel-size 4 --models qwen2_5_vl   # a tensor-parallel point, 4+ GPUs
 
-For a machine with one NVIDIA GPU (40 GB or more) and no model hub. For each model it
+For a machine with one NVIDIA GPU (40 GB or more) and no model hub; with
+`--tensor-parallel-size N`, N GPUs (N + 1 for Iris, whose VisionEncoder takes 0.2 of another), every
+system's engine over N ranks: Iris's LLMDecode in a placement group of N bundles
+(deployments/placement.py), Ray Serve LLM's in one of N bundles, `vllm serve --tensor-parallel-size N`.
+On a CPU the ranks are processes, one core list each. For each model it
 
 1. builds the random-weight checkpoint `builtin:<size>-<family>` with the project's own builder
    (pipeline/model/builtin): at `--size 7b`, LLaVA-1.5-7B's and Qwen2.5-VL-7B's dimensions in
@@ -78,6 +83,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
     parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks per engine for every system (GPUs each)"
+    )
+    parser.add_argument(
         "--eager",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -117,6 +125,7 @@ def run_gpu(args, command: str) -> dict:
         "image_px": args.image_px,
         "seed": args.seed,
         "budget_s": args.budget_s,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "starts": [],
         "results": [],
         "ratios": [],
@@ -149,6 +158,7 @@ def run_gpu(args, command: str) -> dict:
             eager=eager,
             gpu=gpu,
             gpu_memory_utilization=args.gpu_memory_utilization if gpu else None,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         for name in names:
             _run_system(run, model, name, engine, points, point_s, args, log_dir)
@@ -258,7 +268,8 @@ def markdown(run: dict) -> str:
         "",
         f"Closed loop at {', '.join(map(str, run['clients']))} clients; {run['image_px']} px JPEGs; every answer "
         f"{run['max_tokens']} tokens (ignore_eos); at most {run['point_budget_s']:.0f} s per load point; "
-        f"engines {'on the GPU' if run['gpu'] else 'on the CPU'}{', eager' if run['eager'] else ''}.",
+        f"engines {'on the GPU' if run['gpu'] else 'on the CPU'}{', eager' if run['eager'] else ''}"
+        f"{', tensor parallel ' + str(run['tensor_parallel_size']) if run['tensor_parallel_size'] > 1 else ''}.",
         "",
     ]
     for model, info in run["models"].items():

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -350,12 +351,65 @@ def test_gpu_configs_ask_for_the_gpu_and_cpu_ones_do_not(ray_dashboard):  # buil
     command = systems.vllm_command(gpu, 9000)
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.8"
     assert "--gpu-memory-utilization" not in systems.vllm_command(cpu, 9000)
+    assert "--tensor-parallel-size" not in command
+
+
+def test_gpu_run_tensor_parallel_point_at_tiny_size(tmp_path):
+    """`python -m bench gpu --tensor-parallel-size 2` end to end on this CPU (each rank a process with
+    a core of its own): Iris and `vllm serve` both start with two ranks and answer every request."""
+    from bench.__main__ import main
+
+    out = tmp_path / "gpu_run.json"
+    argv = ["--size", "tiny", "--models", "llava", "--systems", "iris-haproxy,vllm", "--clients", "1"]
+    argv += ["--requests", "3", "--max-tokens", "8", "--workloads", "unique,text", "--tensor-parallel-size", "2"]
+    main(["gpu", *argv, "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["tensor_parallel_size"] == 2
+    assert [(s["system"], s.get("error")) for s in saved["starts"]] == [("iris-haproxy", None), ("vllm", None)]
+    for r in saved["results"]:
+        assert "summary" in r, r.get("skipped")
+        assert r["summary"]["failed"] == 0 and r["summary"]["ok"] == r["summary"]["requests"] > 0, r
+    # Both engines ran two ranks: vLLM logs its world size at start-up.
+    logs = "\n".join(p.read_text(errors="replace") for p in Path(saved["logs"]).glob("*.log"))
+    assert logs.count("world_size=2") >= 2 or logs.count("tensor_parallel_size=2") >= 2, logs[-3000:]
+    assert "tensor parallel 2" in out.with_suffix(".md").read_text()
+
+
+def test_a_tensor_parallel_point_gives_every_system_the_same_ranks(ray_dashboard):
+    """`python -m bench gpu --tensor-parallel-size 4`: every engine over 4 ranks, each system's own way."""
+    from ray.serve.llm import build_openai_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from bench.harness import systems
+    from deployments.config import IrisConfig
+
+    tp4 = systems.EngineSettings("/ckpt", "bfloat16", gpu=True, gpu_memory_utilization=0.8, tensor_parallel_size=4)
+    app = systems.iris_config(tp4, 1, 8000, cache=True, namespace="x")["applications"][0]
+    assert app["args"]["engine_args"]["tensor_parallel_size"] == 4
+    actors = {d["name"]: d.get("ray_actor_options", {}) for d in app["deployments"]}
+    # LLMDecode's group holds its GPUs (deployments/placement.py); the encoder keeps its fraction.
+    assert "num_gpus" not in actors["LLMDecode"] and actors["VisionEncoder"]["num_gpus"] == 0.2
+    config = IrisConfig.model_validate(app["args"])
+    assert [b.get("GPU") for b in config.decode_ranks().serve_options()["placement_group_bundles"]] == [1] * 4
+    ServeDeploySchema.model_validate(systems.iris_config(tp4, 1, 8000, cache=True, namespace="x"))
+    (llm,) = systems.rayllm_config(tp4, 1, 8000, affinity=False)["applications"][0]["args"]["llm_configs"]
+    assert llm["engine_kwargs"]["tensor_parallel_size"] == 4
+    assert [b["GPU"] for b in llm["placement_group_config"]["bundles"]] == [1] * 4
+    build_openai_app({"llm_configs": [llm]})
+    command = systems.vllm_command(tp4, 9000)
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    # On a CPU, each rank reserves a CPU instead (vLLM's CPU platform runs its ranks as processes).
+    cpu = systems.iris_config(replace(tp4, gpu=False), 1, 8000, cache=True, namespace="x")["applications"][0]
+    assert IrisConfig.model_validate(cpu["args"]).decode_ranks().bundles == [{"CPU": 2}] + [{"CPU": 1}] * 3
 
 
 def test_vllm_replicas_get_cores_of_their_own():
     from bench.harness.systems import vllm_cpu_binding
 
     assert vllm_cpu_binding(0, 1, [0, 1]) == {}  # one engine: vLLM's default
+    # Tensor parallel on a CPU: a core list per rank, within the replica's own slice.
+    assert vllm_cpu_binding(0, 1, [0, 1], ranks=2) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert vllm_cpu_binding(1, 2, [0, 1, 2, 3], ranks=2) == {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}
     assert [vllm_cpu_binding(i, 2, [0, 1]) for i in range(2)] == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0"},
         {"VLLM_CPU_OMP_THREADS_BIND": "1"},

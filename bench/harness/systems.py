@@ -48,7 +48,7 @@ from bench.harness import processes
 from bench.harness.host_work import EVENT_STATS_ENV
 from bench.harness.metrics import Counters, scrape
 from bench.harness.results import ROOT
-from deployments.cpu_binding import omp_threads_bind
+from deployments.cpu_binding import omp_threads_bind, rank_binds
 
 SERVED_NAME = "bench"  # no ':' in it: Ray Serve LLM reads `a:b` as base model + LoRA adapter
 SYSTEMS = (
@@ -91,6 +91,7 @@ class EngineSettings:
     # compare --gpu-node-mode: VLLM_CPU_OMP_THREADS_BIND for every engine of every system (the model
     # cores, bench/harness/affinity.py); None: each system binds as it does by default.
     omp_bind: str | None = None
+    tensor_parallel_size: int = 1  # vLLM's, the same for every system: ranks per engine (GPUs on a GPU)
 
     def mm_limits(self) -> dict[str, int]:
         return {"image": self.max_images, **({"video": self.max_videos} if self.max_videos else {})}
@@ -229,7 +230,10 @@ def iris_config(
         "max_model_len": engine.max_model_len,
         **({"enforce_eager": True} if engine.eager else {}),
         **_memory(engine),
+        **_tensor_parallel(engine),
     }
+    if engine.tensor_parallel_size > 1 and not engine.gpu:  # each rank a CPU (deployments/placement.py)
+        args["decode_placement"] = {"device": "CPU"}
     args["cache"] = {**args.get("cache", {}), "namespace": namespace, "ttl_s": 3600}
     if not cache:
         args["cache"]["redis_url"] = None
@@ -244,7 +248,9 @@ def iris_config(
             }
             if not affinity_router:
                 deployment.pop("request_router_config", None)
-        if engine.gpu and deployment["name"] in IRIS_GPU_ACTORS:
+        # With several ranks LLMDecode's placement group holds its devices (deployments/placement.py).
+        several_ranks = deployment["name"] == "LLMDecode" and engine.tensor_parallel_size > 1
+        if engine.gpu and deployment["name"] in IRIS_GPU_ACTORS and not several_ranks:
             deployment["ray_actor_options"] = {
                 **deployment.get("ray_actor_options", {}),
                 **IRIS_GPU_ACTORS[deployment["name"]],
@@ -266,8 +272,12 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
     llm_config = {
         "model_loading_config": {"model_id": SERVED_NAME, "model_source": engine.checkpoint},
         # CPU only: without an explicit bundle the replica asks for a GPU and never schedules.
-        # On a GPU, one bundle with the replica's CPU and the engine's GPU (tensor parallel 1).
-        "placement_group_config": {"bundles": [{"CPU": 1, "GPU": 1} if engine.gpu else {"CPU": 1}]},
+        # On a GPU, one bundle per rank, the first with the replica's CPU (as Ray Serve LLM's docs).
+        "placement_group_config": {
+            "bundles": [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (engine.tensor_parallel_size - 1)
+            if engine.gpu
+            else [{"CPU": 1}]
+        },
         "engine_kwargs": {
             "dtype": engine.dtype,
             "max_model_len": engine.max_model_len,
@@ -275,6 +285,7 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
             "limit_mm_per_prompt": engine.mm_limits(),
             **({"enforce_eager": True} if engine.eager else {}),
             **_memory(engine),
+            **_tensor_parallel(engine),
         },
         "deployment_config": deployment_config,
     }
@@ -291,6 +302,10 @@ def rayllm_config(engine: EngineSettings, replicas: int, port: int, affinity: bo
             }
         ],
     }
+
+
+def _tensor_parallel(engine: EngineSettings) -> dict[str, int]:
+    return {"tensor_parallel_size": engine.tensor_parallel_size} if engine.tensor_parallel_size > 1 else {}
 
 
 def _bind(engine: EngineSettings) -> dict[str, str]:
@@ -327,6 +342,7 @@ def vllm_command(engine: EngineSettings, port: int) -> list[str]:
         json.dumps(engine.mm_limits()),
         *(["--enforce-eager"] if engine.eager else []),
         *(["--gpu-memory-utilization", str(memory["gpu_memory_utilization"])] if memory else []),
+        *(["--tensor-parallel-size", str(engine.tensor_parallel_size)] if engine.tensor_parallel_size > 1 else []),
         *engine.vllm_args,
     ]
 
@@ -469,11 +485,14 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
     }
 
 
-def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None) -> dict[str, str]:
+def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = None, ranks: int = 1) -> dict[str, str]:
     """Environment for `vllm serve` replica `index` of `replicas` on a CPU-only machine: a slice
     of the cores of its own (deployments/cpu_binding.py). No core is held back: beside its engines,
     `vllm serve` runs only its API servers."""
     cores = core_ids if core_ids is not None else list(os.sched_getaffinity(0))
+    if ranks > 1:  # one core list per rank, within this replica's slice
+        mine = omp_threads_bind(index, replicas, cores, reserve=0)
+        return {"VLLM_CPU_OMP_THREADS_BIND": rank_binds([int(c) for c in mine.split(",")] if mine else cores, ranks, 0)}
     bind = omp_threads_bind(index, replicas, cores, reserve=0)
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
@@ -493,7 +512,8 @@ def _start_vllm(
         log = log_dir / f"{name}-{replicas}-{i}.log"
         # On a GPU, each replica is one vLLM engine on the GPUs it finds (one replica per GPU: set
         # CUDA_VISIBLE_DEVICES per replica to run more); core binding is for CPU-only machines.
-        binding = _bind(engine) or ({} if engine.gpu else vllm_cpu_binding(i, replicas))
+        ranks = engine.tensor_parallel_size
+        binding = _bind(engine) or ({} if engine.gpu else vllm_cpu_binding(i, replicas, ranks=ranks))
         procs.append(_spawn(vllm_command(engine, port), log, {**binding, **(env or {})}))
         logs.append(log)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
