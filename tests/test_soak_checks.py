@@ -41,6 +41,15 @@ def test_rss_growth_ignores_warmup_and_flags_a_leak():
     assert not verdict({}, 0, keys, 0, late=1)["hung"]
 
 
+def test_shared_pages_are_not_judged_private_memory_is():
+    """Ray's object store and vLLM's shared-memory caches, mapped in, fill to their configured sizes:
+    a process whose shared pages grow passes; the same RSS curve in private memory fails."""
+    rss = _samples("decode", 1000, 1400)
+    shared = [{**s, "shared": s["rss"] - 1000 * MiB} for s in rss]  # all growth in shared pages
+    assert rss_growth(shared, warmup_s=60, window_s=30)["decode (pid 1)"]["growth"] == 0
+    assert rss_growth(rss, warmup_s=60, window_s=30)["decode (pid 1)"]["growth"] > 0.10
+
+
 def test_a_replacement_warms_up_from_its_own_start_and_a_short_life_is_not_judged():
     """A replica that replaced a killed one: its start-up spike is not its baseline; one killed
     soon after warm-up (too few samples to judge) is left out rather than judged on noise."""
