@@ -304,9 +304,8 @@ async def _run(system, minutes: float, concurrency: int, sample_s: float, seed: 
             try:
                 memory = psutil.Process(pid).memory_info()
                 # serving_processes tells same-named processes apart by a "+": by pid here, which stays
-                sample = {"t": round(t, 2), "name": name.rstrip("+"), "pid": pid, "rss": memory.rss}
-                sample["shared"] = memory.shared
-                samples.append(sample)
+                name = name.rstrip("+")
+                samples.append({"t": round(t, 2), "name": name, "pid": pid, "rss": memory.rss, "shared": memory.shared})
             except psutil.Error:
                 pass
         await asyncio.wait([load], timeout=sample_s)

@@ -490,10 +490,9 @@ def vllm_cpu_binding(index: int, replicas: int, core_ids: list[int] | None = Non
     of the cores of its own (deployments/cpu_binding.py). No core is held back: beside its engines,
     `vllm serve` runs only its API servers."""
     cores = core_ids if core_ids is not None else list(os.sched_getaffinity(0))
-    if ranks > 1:  # one core list per rank, within this replica's slice
-        mine = omp_threads_bind(index, replicas, cores, reserve=0)
-        return {"VLLM_CPU_OMP_THREADS_BIND": rank_binds([int(c) for c in mine.split(",")] if mine else cores, ranks, 0)}
     bind = omp_threads_bind(index, replicas, cores, reserve=0)
+    if ranks > 1:  # one core list per rank, within this replica's slice
+        bind = rank_binds([int(c) for c in bind.split(",")] if bind else cores, ranks, 0)
     return {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
 
 
