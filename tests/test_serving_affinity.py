@@ -5,8 +5,10 @@ repeat of an image reaches the replica that prefilled it (prefix-cache hit).
 The stages are placed on the session's two Ray nodes by the config alone, as on a cluster of
 CPU and GPU nodes: Ingress and Preprocess on the CPU node, VisionEncoder and LLMDecode on the
 accelerator node (custom resources standing for the GPUs), so pixels and features cross nodes
-through the object store and Redis. Costs two vLLM engines (~9 GB); kept in its own module so
-the app lives only here."""
+through the object store and Redis. The checkpoint ships its own code (its config class:
+tests/support/remote_code.py) and runs with `trust_remote_code`: every stage on both nodes loads
+it, or the app would not start. Costs two vLLM engines (~9 GB); kept in its own module so the app
+lives only here."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ray import serve
 
 from tests.support.apps import ACCELERATOR_NODE, CPU_NODE, running_app
 from tests.support.images import REFERENCE_TEXT, data_url, unique_png
+from tests.support.remote_code import remote_code_llava
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "iris-affinity"
@@ -33,12 +36,12 @@ PLACEMENT = {
 
 
 @pytest.fixture(scope="module")
-def affinity_app(iris_apps, tiny_checkpoint):
+def affinity_app(iris_apps, tiny_checkpoint, tmp_path_factory):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     args = config.pop("args")
     args.update(
-        model=tiny_checkpoint("llava"),
-        engine_args={"max_model_len": 2048, "enforce_eager": True},
+        model=str(remote_code_llava(tiny_checkpoint("llava"), tmp_path_factory.mktemp("affinity") / "llava")),
+        engine_args={"max_model_len": 2048, "enforce_eager": True, "trust_remote_code": True},
         cache={**args["cache"], "ttl_s": 3600},
     )
     decode = next(d for d in config["deployments"] if d["name"] == "LLMDecode")

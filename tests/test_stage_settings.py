@@ -21,6 +21,7 @@ from deployments.config import IrisConfig
 from pipeline.model.builtin import BUILDERS, FAMILIES
 from pipeline.model.engine_settings import model_differences
 from pipeline.model.vision_model import VisionModel
+from tests.support import remote_code
 from tests.support.images import png_bytes
 
 BASE_ARGS = {"max_model_len": 2048, "enforce_eager": True}
@@ -185,25 +186,9 @@ def test_a_setting_a_stage_cannot_honour_is_refused_with_the_config(engine_args,
     assert stage in message and f"engine_args.{next(reversed(engine_args))}" in message, message
 
 
-REMOTE_CONFIG = """from transformers import LlavaConfig
-
-
-class IrisLlavaConfig(LlavaConfig):
-    model_type = "iris_llava"
-"""
-
-
 @pytest.fixture
 def remote_code_llava(tmp_path, tiny_checkpoint) -> Path:
-    """The tiny LLaVA with its config class as checkpoint code (config.json's auto_map names it, for a
-    model type neither transformers nor vLLM knows): what `trust_remote_code` is for."""
-    folder = tmp_path / "remote-llava"
-    shutil.copytree(tiny_checkpoint("llava"), folder)
-    (folder / "configuration_iris_llava.py").write_text(REMOTE_CONFIG)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="iris_llava", auto_map={"AutoConfig": "configuration_iris_llava.IrisLlavaConfig"})
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return remote_code.remote_code_llava(tiny_checkpoint("llava"), tmp_path / "remote-llava")
 
 
 def test_checkpoint_code_is_refused_until_trusted(remote_code_llava):
@@ -224,7 +209,7 @@ def test_trusted_checkpoint_code_runs_in_every_stage(remote_code_llava, tiny_che
     assert torch.equal(features(vision), features(plain))
     other_code = VisionModel(str(remote_code_llava), settings={"trust_remote_code": True})
     assert other_code.processing_id() == vision.processing_id()
-    (remote_code_llava / "configuration_iris_llava.py").write_text(REMOTE_CONFIG + "\n# another revision\n")
+    (remote_code_llava / remote_code.CODE_FILE).write_text(remote_code.REMOTE_CONFIG + "\n# another revision\n")
     assert (
         VisionModel(str(remote_code_llava), settings={"trust_remote_code": True}).processing_id()
         != vision.processing_id()
