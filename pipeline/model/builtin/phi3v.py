@@ -55,8 +55,8 @@ class Phi3VConfig(Phi3Config):
         super().__init__(**kwargs)
 '''
 
-IMAGE_PROCESSING_CODE = '''"""Phi-3-Vision's image processor, after Microsoft's image_processing_phi3_v.py (written by Iris for
-a tiny built-in): the HD transform to at most `num_crops` crops of 336 px plus a global view."""
+IMAGE_PROCESSING_CODE = '''"""Phi-3-Vision's image processor, after Microsoft's image_processing_phi3_v.py (written by
+Iris for a tiny built-in): the HD transform to at most `num_crops` crops of 336 px plus a global view."""
 
 import math
 
@@ -302,7 +302,8 @@ def build(spec: Spec, out: Path) -> None:
         dtype
     )
     weights[prefix + "img_projection.2.bias"] = torch.zeros(spec.text_hidden, dtype=dtype)
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = {n: t.contiguous() for n, t in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config = {
         **text,
