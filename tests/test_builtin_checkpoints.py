@@ -63,6 +63,18 @@ def test_checkpoint_code_loads_only_when_trusted(family, tiny_checkpoint):
         AutoConfig.from_pretrained(folder)
     loaded = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     assert type(loaded).__module__.startswith("transformers_modules") and loaded.model_type == config["model_type"]
+    # A processor that is checkpoint code too (Phi-3-Vision's), named by preprocessor_config.json's auto_map.
+    preprocessor = folder / "preprocessor_config.json"
+    if preprocessor.is_file() and "auto_map" in json.loads(preprocessor.read_text()):
+        from transformers import AutoProcessor
+
+        for module in {ref.split(".")[0] for ref in json.loads(preprocessor.read_text())["auto_map"].values()}:
+            assert (folder / f"{module}.py").is_file(), module
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            AutoProcessor.from_pretrained(folder)
+        processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+        assert type(processor).__module__.startswith("transformers_modules")
+        assert type(processor.image_processor).__module__.startswith("transformers_modules")
 
 
 @pytest.mark.parametrize("family", HF_FORMAT)

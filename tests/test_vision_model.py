@@ -156,7 +156,7 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     """Images: the connector for the families whose vLLM source has no image-embedding input
     (scripts/family_table.py reads it); where it has one, the connector only when vLLM refuses
     the model's own features of two images of other sizes as one prompt's embeddings (PaliGemma:
-    any; LLaVA-NeXT, InternVL, LLaVA-OneVision: one image is taken, two of other token counts
+    any; LLaVA-NeXT, InternVL, LLaVA-OneVision, Phi-3-Vision: one image is taken, two of other token counts
     not, their input being one tensor for all). Videos: the connector for the families listed.
     Connector features carry the item's bytes for the engine's processor, embeddings never."""
     vision, features = encoded

@@ -39,9 +39,13 @@ def load_encoder_only(vllm_config) -> tuple[torch.nn.Module, str]:
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer, byte by byte, with its name and dtype."""
+    """A hash of every parameter and buffer, byte by byte, with its name and dtype. Tensors left on
+    the meta device hold no values to hash (Phi-3-Vision's vLLM class builds its language model's
+    embedding there when only the encoder is loaded)."""
     parts = []
     for name, tensor in sorted(model.state_dict().items()):
+        if tensor.is_meta:
+            continue
         parts += [
             name.encode(),
             str(tensor.dtype).encode(),

@@ -86,6 +86,7 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
     processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=settings.get("trust_remote_code", False))
     tokenizer = getattr(processor, "tokenizer", processor)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    encoder_outputs = {}  # uuid -> the engine's own encoder output for it
 
     def answer(images: list[str], uuids: list[str], iris: bool) -> dict:
         messages = [
@@ -113,6 +114,14 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
         )[0].outputs[0]
         if iris and form.delivery == CONNECTOR:
             staging.release(uuids)
+        elif not iris:
+            # The engine's own encoder output, read now: its encoder cache evicts it to make room for
+            # later runs' items (Phi-3-Vision's of ~760 tokens each). One tensor per worker (each rank
+            # runs the tower); the first rank's.
+            for uuid in uuids:
+                encoder_outputs[uuid] = llm.collective_rpc(
+                    lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu()
+                )[0]
         after = connector_counts()
         return {
             "tokens": list(out.token_ids),
@@ -130,8 +139,7 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
             "iris": answer(images, [f"iris-{case}-{i}" for i in range(len(images))], iris=True),
         }
     for name, uuid in (("square", "engine-one image-0"), ("wide", "engine-another size-0")):
-        # One tensor per worker (each rank runs the tower); the first rank's.
-        engine = llm.collective_rpc(lambda worker, uuid=uuid: worker.model_runner.encoder_cache[uuid].cpu())[0]
+        engine = encoder_outputs[uuid]
         ours = features[name].tensors[form.values_field]
         result["features"][name] = {
             "shape": [list(ours.shape), list(engine.shape)],

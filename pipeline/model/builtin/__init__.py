@@ -48,6 +48,7 @@ from pipeline.model.builtin import (
     minicpmv4_6,
     mistral3,
     paligemma,
+    phi3v,
     qwen2_vl,
     qwen3_5,
     qwen3_5_moe,
@@ -241,6 +242,18 @@ BUILDERS = {
         },
         mistral3.build,
         tested="engine",
+    ),
+    "phi3v": Builtin(
+        "Phi-3-Vision",
+        {
+            # vLLM fixes the tower at CLIP ViT-L/14-336 (1024 wide, 16 heads, 336 px of 14 px patches); of
+            # its 24 layers the checkpoint's features take the second (layer_idx -23): 2 layers are built.
+            # Up to 4 crops of 336 px and a global view; Phi-3's 32064-token vocabulary (bytes, padded).
+            "tiny": Spec(128, 2, 4, 2, 1024, 2, 16, 336, 14, "float32", vocab_size=32064),
+        },
+        phi3v.build,
+        tested="engine",
+        engine_args={"trust_remote_code": True},
     ),
 }
 FAMILIES = tuple(BUILDERS)
