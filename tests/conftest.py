@@ -142,6 +142,8 @@ class VllmServers:
 
     def _start(self, family: str, dtype: str) -> tuple:
         from bench.harness.systems import EngineSettings, _start_vllm
+        from deployments.vllm_args import argv
+        from pipeline.model.builtin import BUILDERS
 
         ec_dir = self.tmp.mktemp(f"ec-{family}-{dtype}")
         ec = {
@@ -161,9 +163,10 @@ class VllmServers:
                 "--enforce-eager",
                 "--ec-transfer-config",
                 json.dumps(ec),
-                "--enable-prompt-tokens-details",
+                "--enable-prompt-tokens-details",  # as Iris by default (usage.cached_tokens)
+                *argv(BUILDERS[family].engine_args),  # what the checkpoint's format needs (trust_remote_code)
             ),
-        )  # as Iris by default (usage.cached_tokens)
+        )
         return _start_vllm(1, engine, self.tmp.mktemp("vllm"), time.monotonic(), 600), ec_dir
 
     def _stop(self, key: tuple[str, str]) -> None:

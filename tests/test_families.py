@@ -53,9 +53,9 @@ VARIANTS = sorted(
     key=lambda v: (v[0] != "llava", v[0] == "qwen2_vl"),
 )
 # Families whose built-in Iris serves video for: the built-in chat template places videos, and vLLM
-# takes their video features back as embeddings (InternVL: through the EC connector). The others
-# answer a video with a 400.
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+# takes their video features back as embeddings (InternVL, in both formats: through the EC connector).
+# The others answer a video with a 400.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl", "internvl_chat")
 VIDEO_CASES = {"one video": (["clip"], []), "video and image": (["clip"], ["square"])}
 # Families with a hybrid (linear-attention) language model: vLLM 0.32's CPU kernel for their prefill
 # raised on a lone 1-token prefill and ended the engine (pipeline/model/vllm_fixes.py fixes it).
@@ -83,7 +83,10 @@ def systems(request, iris_apps, tiny_checkpoint, vllm_server):
     with beside(
         lambda: vllm_server(family, dtype),
         iris_apps.use(
-            f"iris-fam-{family}-{dtype}", reference_args(tiny_checkpoint(family), dtype, NAME), keep=True, config=config
+            f"iris-fam-{family}-{dtype}",
+            reference_args(tiny_checkpoint(family), dtype, NAME, BUILDERS[family].engine_args),
+            keep=True,
+            config=config,
         ),
     ) as (app, (vllm, ec_dir)):
         # The next variant's reference starts while this one's tests run.

@@ -67,17 +67,20 @@ def running_app(name: str) -> App:
     return _RUNNING[name]
 
 
-def reference_args(checkpoint: str, dtype: str = "float32", served_model_name: str = "bench") -> dict:
+def reference_args(
+    checkpoint: str, dtype: str = "float32", served_model_name: str = "bench", engine_args: dict | None = None
+) -> dict:
     """The Iris app compared with `vllm serve` (conftest's vllm_server) on the same checkpoint (the
     same served name and dtype, two images a prompt, eager like the reference), and the app
     tests/test_serving.py drives: one app per checkpoint serves test_api_parity, test_families and
-    test_serving one after another (conftest orders them so)."""
+    test_serving one after another (conftest orders them so). `engine_args`: what the checkpoint's
+    format needs on top (a built-in's, e.g. trust_remote_code)."""
     return {
         "model": checkpoint,
         "served_model_name": served_model_name,
         "max_images_per_prompt": 2,
         "dtype": dtype,
-        "engine_args": {"max_model_len": 2048, "enforce_eager": True},
+        "engine_args": {"max_model_len": 2048, "enforce_eager": True, **(engine_args or {})},
         "cache": {"ttl_s": 3600},
         # test_serving: a 12-frame clip is over max_video_frames; 127.0.0.1 serves the http(s) clip.
         "media": {

@@ -164,7 +164,6 @@ BUILDERS = {
             "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 56, 14, "float32"),
         },
         internvl_chat.build,
-        tested="engine",
         engine_args={"trust_remote_code": True},
     ),
     "minicpmv4_6": Builtin(
@@ -252,7 +251,6 @@ BUILDERS = {
             "tiny": Spec(128, 2, 4, 2, 1024, 2, 16, 336, 14, "float32", vocab_size=32064),
         },
         phi3v.build,
-        tested="engine",
         engine_args={"trust_remote_code": True},
     ),
 }
