@@ -26,6 +26,7 @@ TAKES_VIDEO = {
     "qwen3_vl_moe",
     "qwen3_5_moe",
     "minicpmv4_6",
+    "minicpmv4_7",
     "internvl",
     "internvl_chat",
     "glm4v",
