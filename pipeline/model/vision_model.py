@@ -20,8 +20,8 @@
 
 So nothing here asks which model it serves: a family vLLM serves needs no Iris
 code. Which way a modality's features reach the decoder is decided at load: as
-embeddings where vLLM takes the model's own features back unchanged, else
-through the connector.
+embeddings where vLLM takes the model's own features back unchanged (and, with M-RoPE,
+places them as it places the items themselves), else through the connector.
 """
 
 from __future__ import annotations
@@ -221,7 +221,11 @@ class VisionModel:
             form.metadata_kinds = {
                 name: (warm[0].tensors[name].dtype, warm[0].tensors[name].ndim) for name in form.metadata_fields
             }
-            problem = None if self.force_connector else self._embedding_input_problem(warm, modality)
+            problem = (
+                None
+                if self.force_connector
+                else self._embedding_input_problem(warm, modality, samples[modality][: self.limits[modality]])
+            )
             if self.force_connector or problem:
                 form.delivery = CONNECTOR
                 logger.info(
@@ -235,11 +239,16 @@ class VisionModel:
                 self.sample_features = self._features(warm[0].tensors[form.values_field], pixels)
 
     @torch.inference_mode()
-    def _embedding_input_problem(self, features: list[Features], modality: str) -> str | None:
+    def _embedding_input_problem(
+        self, features: list[Features], modality: str, media: list | None = None
+    ) -> str | None:
         """Give the model its own features of these items back as the embedding input of one
         prompt, the way vLLM's engine does for a request (parser, processor, batching,
         `embed_multimodal`): they must come back unchanged. Why they do not, or None. Families
-        whose vLLM class takes no embeddings for a modality fail here."""
+        whose vLLM class takes no embeddings for a modality fail here. With the items themselves
+        (`media`), a model with M-RoPE must also give the prompt's tokens the positions it gives
+        them for the items (MiniCPM-V 4.7 places embeddings at sequential positions, its pixels
+        on a canvas)."""
         from vllm.config import set_current_vllm_config
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
 
@@ -260,6 +269,38 @@ class VisionModel:
             torch.equal(b.cpu(), f.tensors[form.values_field]) for b, f in zip(back, features)
         ):
             return f"vLLM changes {modality} embeddings on input"
+        if media is not None:
+            return self._position_problem(prompt, out, media, modality)
+        return None
+
+    def _position_problem(self, prompt: str, embedded, media: list, modality: str) -> str | None:
+        """Why the M-RoPE positions vLLM's model gives a prompt whose items are embeddings (`embedded`,
+        the processor's output) are not those it gives the same prompt with the items themselves, or
+        None (also for a model without M-RoPE)."""
+        from vllm.model_executor.models.interfaces import supports_mrope
+        from vllm.multimodal.inputs import MultiModalFeatureSpec
+
+        if not supports_mrope(self.model):
+            return None
+
+        def positions(out) -> tuple[list[int], torch.Tensor, int]:
+            items = zip(out["mm_kwargs"][modality], out["mm_placeholders"][modality])
+            specs = [
+                MultiModalFeatureSpec(data=item, modality=modality, identifier=str(i), mm_position=placeholder)
+                for i, (item, placeholder) in enumerate(items)
+            ]
+            tokens = list(out["prompt_token_ids"])
+            return (tokens, *self.model.get_mrope_input_positions(tokens, specs))
+
+        try:
+            pixels = self.processor(
+                prompt, self.processor.data_parser.parse_mm_data({modality: media}), hf_processor_mm_kwargs={}
+            )
+            (tokens, at, delta), (tokens_back, at_back, delta_back) = positions(pixels), positions(embedded)
+        except Exception as err:
+            return f"vLLM cannot place {modality} embeddings: {type(err).__name__}: {err}"
+        if tokens != tokens_back or delta != delta_back or not torch.equal(at, at_back):
+            return f"vLLM gives {modality} embeddings other positions than the {modality}s themselves"
         return None
 
     @torch.inference_mode()

@@ -46,6 +46,7 @@ from pipeline.model.builtin import (
     llava_next,
     llava_onevision,
     minicpmv4_6,
+    minicpmv4_7,
     mistral3,
     paligemma,
     phi3v,
@@ -174,6 +175,15 @@ BUILDERS = {
             "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
         },
         minicpmv4_6.build,
+    ),
+    "minicpmv4_7": Builtin(
+        "MiniCPM-V 4.7",
+        {
+            # As MiniCPM-V 4.6's: 16 tokens a view of 64 px; bfloat16 for vLLM's CPU Gated DeltaNet kernel.
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "bfloat16"),
+        },
+        minicpmv4_7.build,
+        tested="engine",
     ),
     "gemma3": Builtin(
         "Gemma 3",

@@ -65,22 +65,31 @@ MINICPMV4_6_CHAT_TEMPLATE = chat_template(
 
 
 def build(spec: Spec, out: Path) -> None:
-    from transformers import (
-        MiniCPMV4_6Config,
-        MiniCPMV4_6ForConditionalGeneration,
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+    from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration, MiniCPMV4_6Processor
 
-    tokenizer = byte_level_tokenizer(
+    tokenizer = minicpmv_tokenizer()
+    ids = token_ids(tokenizer, MINICPMV4_6_SPECIAL)
+    config = MiniCPMV4_6Config(**config_fields(spec, tokenizer, ids), drop_vision_last_layer=False)
+    finish_config(config, ids)
+    processor = minicpmv_processor(MiniCPMV4_6Processor, spec, tokenizer)
+    model = MiniCPMV4_6ForConditionalGeneration(config)
+    save(model, processor, tokenizer, spec, out)
+
+
+def minicpmv_tokenizer():
+    """The byte-level tokenizer with MiniCPM-V 4.x's special tokens and the attributes its processors read."""
+    return byte_level_tokenizer(
         MINICPMV4_6_SPECIAL,
         bos=None,
         eos="<|im_end|>",
         pad="<|endoftext|>",
         extra_special_tokens=MINICPMV4_6_TOKEN_ATTRS,
     )
-    ids = token_ids(tokenizer, MINICPMV4_6_SPECIAL)
+
+
+def config_fields(spec: Spec, tokenizer, ids: dict[str, int]) -> dict:
+    """The fields MiniCPM-V 4.6's and 4.7's configs share: a Qwen3.5 hybrid language model, the
+    SigLIP-style tower with its window-attention merger after an inner layer, 16x downsampling."""
     text = {"model_type": "qwen3_5_text", **hybrid_text_config(spec, tokenizer)}
     vision = dict(
         hidden_size=spec.vision_hidden,
@@ -91,20 +100,29 @@ def build(spec: Spec, out: Path) -> None:
         patch_size=spec.patch_size,
         initializer_range=INIT_RANGE,
     )
-    config = MiniCPMV4_6Config(
+    return dict(
         text_config=text,
         vision_config=vision,
         insert_layer_id=spec.vision_layers // 2 - 1,
         image_size=spec.image_size,
-        drop_vision_last_layer=False,
         downsample_mode="16x",
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         tie_word_embeddings=False,
     )
+
+
+def finish_config(config, ids: dict[str, int]) -> None:
     config.bos_token_id, config.eos_token_id = None, ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     config.initializer_range = INIT_RANGE
+
+
+def minicpmv_processor(processor_class, spec: Spec, tokenizer):
+    """`processor_class` (MiniCPM-V 4.6's or 4.7's processor) with 4.6's image and video processors,
+    which 4.7 uses too: views of about `image_size`² pixels, up to MAX_SLICES slices."""
+    from transformers import MiniCPMV4_6ImageProcessor, MiniCPMV4_6VideoProcessor
+
     common = dict(
         max_slice_nums=MAX_SLICES,
         scale_resolution=spec.image_size,
@@ -115,11 +133,9 @@ def build(spec: Spec, out: Path) -> None:
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
-    processor = MiniCPMV4_6Processor(
+    return processor_class(
         image_processor=MiniCPMV4_6ImageProcessor(**common),
         video_processor=MiniCPMV4_6VideoProcessor(**common, max_num_frames=4),
         tokenizer=tokenizer,
         chat_template=MINICPMV4_6_CHAT_TEMPLATE,
     )
-    model = MiniCPMV4_6ForConditionalGeneration(config)
-    save(model, processor, tokenizer, spec, out)
