@@ -161,7 +161,7 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     Connector features carry the item's bytes for the engine's processor, embeddings never."""
     vision, features = encoded
     family = next(f for f in FAMILIES if tiny_checkpoint(f) == vision.checkpoint)
-    if not takes_image_embeddings(vision.checkpoint):
+    if not takes_image_embeddings(vision.checkpoint, vision.vllm_config.model_config.architecture):
         assert vision.forms["image"].delivery == CONNECTOR, family
     elif vision.forms["image"].delivery == CONNECTOR:
         model = VisionModel(vision.checkpoint, connector=True, settings=vision.settings)

@@ -49,6 +49,7 @@ from pipeline.model.builtin import (
     mistral3,
     paligemma,
     phi3v,
+    pixtral,
     qwen2_vl,
     qwen3_5,
     qwen3_5_moe,
@@ -254,6 +255,17 @@ BUILDERS = {
         phi3v.build,
         tested="engine",
         engine_args={"trust_remote_code": True},
+    ),
+    "pixtral": Builtin(
+        "Pixtral (Mistral format)",
+        {
+            # params.json, tekken.json and consolidated.safetensors (Pixtral-12B's layout: no patch merging):
+            # 96 px of 16 px patches, up to 6x6 [IMG] tokens an image, each row ending in [IMG_BREAK].
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
+        },
+        pixtral.build,
+        tested="engine",
+        engine_args={"tokenizer_mode": "mistral", "config_format": "mistral", "load_format": "mistral"},
     ),
 }
 FAMILIES = tuple(BUILDERS)
