@@ -73,7 +73,7 @@ def test_mistral_layout(family, tiny_checkpoint):
     tokenizer = MistralTokenizer.from_file(str(folder / "tekken.json"))
     tekken = tokenizer.instruct_tokenizer.tokenizer
     assert tekken.n_words == params["vocab_size"]
-    assert tekken.get_control_token("[IMG]") == params["vision_encoder"]["image_token_id"]
+    assert tekken.get_special_token("[IMG]") == params["vision_encoder"]["image_token_id"]
     assert tekken.image.max_image_size == params["vision_encoder"]["image_size"]
     assert tokenizer.instruct_tokenizer.mm_encoder is not None
     with safe_open(str(folder / "consolidated.safetensors"), "pt") as f:
