@@ -5,6 +5,8 @@ what its features must look like; the fingerprint the decoder agrees with the en
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -150,6 +152,26 @@ def test_a_preprocessing_setting_changes_what_pixels_are_stamped_with(tiny_check
     stamped = plain.preprocess(image), fewer.preprocess(image)
     assert [p.processed_with for p in stamped] == [plain.processing_id(), fewer.processing_id()]
     assert stamped[0].num_tokens > stamped[1].num_tokens
+
+
+def test_a_mistral_format_image_setting_changes_what_pixels_are_stamped_with(tmp_path, tiny_checkpoint):
+    """Mistral's format keeps its image settings in the Tekken tokenizer (tekken.json's `image`):
+    another max_image_size is another Preprocess, with fewer tokens an image."""
+    import shutil
+
+    settings = BUILDERS["pixtral"].engine_args
+    copy = tmp_path / "smaller"
+    shutil.copytree(tiny_checkpoint("pixtral"), copy)
+    tekken = json.loads((copy / "tekken.json").read_text())
+    tekken["image"]["max_image_size"] //= 2
+    (copy / "tekken.json").write_text(json.dumps(tekken))
+    plain, smaller = (
+        VisionModel(tiny_checkpoint("pixtral"), settings=settings),
+        VisionModel(str(copy), settings=settings),
+    )
+    assert plain.processing_id() != smaller.processing_id()
+    image = plain.load_image(png_bytes("square"))
+    assert plain.preprocess(image).num_tokens > smaller.preprocess(image).num_tokens
 
 
 def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):

@@ -378,6 +378,10 @@ class VisionModel:
             "preprocessor_config.json",
             "processor_config.json",
             "video_preprocessor_config.json",
+            # Mistral's format: its config, and its Tekken tokenizer with the image settings
+            # mistral_common sizes images by (tokenizer_mode mistral).
+            "params.json",
+            "tekken.json",
         ):
             if (root / name).is_file():
                 parts.append((root / name).read_bytes())
