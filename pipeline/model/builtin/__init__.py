@@ -4,7 +4,8 @@
 
 writes a Hugging Face hub-layout checkpoint (config, safetensors weights, a
 byte-level BPE tokenizer, image processor, processor, chat template) that both
-transformers and vLLM load. Weights are seeded, so the same arguments always
+transformers and vLLM load (Pixtral in Mistral's own format instead: params.json, tekken.json,
+consolidated.safetensors, which vLLM and mistral_common load). Weights are seeded, so the same arguments always
 give the same checkpoint. One module per family with its `build(spec, out)`; the
 sizes of all (size -> `Spec`) are in BUILDERS below.
 
