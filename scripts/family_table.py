@@ -16,7 +16,6 @@ for images), else embeddings if vLLM takes the model's own features back unchang
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -67,8 +66,8 @@ def _builtin_architectures() -> dict[str, tuple[str, object, str]]:
         vision = VisionModel(checkpoint, settings=builtin.engine_args)
         vision.load_encoder()
         path = "the EC connector" if vision.forms["image"].delivery == CONNECTOR else "image embeddings"
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
-        found[config["architectures"][0]] = (family, builtin, path)
+        # The architecture vLLM resolved from the checkpoint's config, in whatever format it is.
+        found[vision.vllm_config.model_config.architecture] = (family, builtin, path)
     return found
 
 

@@ -14,10 +14,15 @@ from pipeline.model.source import resolve_model
 from pipeline.model.vision_model import VisionModel
 from tests.support.images import SIZES, make_image
 
-# Built-ins in the Hugging Face format (transformers has their classes); the others ship their config
-# classes as checkpoint code, and vLLM brings their model and processor (InternVL's original format).
-HF_FORMAT = tuple(f for f in FAMILIES if not BUILDERS[f].engine_args.get("trust_remote_code"))
-CODE_FORMAT = tuple(f for f in FAMILIES if f not in HF_FORMAT)
+# Built-ins in Mistral's own format (params.json, tekken.json, consolidated.safetensors: vLLM's and
+# mistral_common's loaders read them, transformers does not); in the Hugging Face format (transformers
+# has their classes); and the others, which ship their config classes as checkpoint code, and vLLM
+# brings their model and processor (InternVL's original format).
+MISTRAL_FORMAT = tuple(f for f in FAMILIES if BUILDERS[f].engine_args.get("config_format") == "mistral")
+HF_FORMAT = tuple(
+    f for f in FAMILIES if not BUILDERS[f].engine_args.get("trust_remote_code") and f not in MISTRAL_FORMAT
+)
+CODE_FORMAT = tuple(f for f in FAMILIES if BUILDERS[f].engine_args.get("trust_remote_code"))
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -47,6 +52,35 @@ def test_hub_layout(family, tiny_checkpoint):
     if family in ("llava", "llava_next", "gemma3"):  # the hub's CLIP/SigLIP layout, which vLLM's loader expects
         assert any(k.startswith("vision_tower.vision_model.") for k in keys)
         assert not any(k.startswith("vision_tower.encoder.") for k in keys)
+
+
+@pytest.mark.parametrize("family", MISTRAL_FORMAT)
+def test_mistral_layout(family, tiny_checkpoint):
+    """Mistral's own layout, as its hub repositories ship it: vLLM reads params.json into the model's
+    config (with the vision encoder's), mistral_common's Tekken tokenizer reads tekken.json with its
+    image settings, and the weights carry Mistral's names."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from safetensors import safe_open
+    from vllm.transformers_utils.config import get_config
+
+    folder = Path(tiny_checkpoint(family))
+    assert not (folder / "config.json").exists()
+    params = json.loads((folder / "params.json").read_text())
+    config = get_config(str(folder), trust_remote_code=False, config_format="mistral")
+    assert config.architectures == ["PixtralForConditionalGeneration"]
+    assert config.text_config.hidden_size == params["dim"]
+    assert config.vision_config.image_token_id == params["vision_encoder"]["image_token_id"]
+    tokenizer = MistralTokenizer.from_file(str(folder / "tekken.json"))
+    tekken = tokenizer.instruct_tokenizer.tokenizer
+    assert tekken.n_words == params["vocab_size"]
+    assert tekken.get_special_token("[IMG]") == params["vision_encoder"]["image_token_id"]
+    assert tekken.image.max_image_size == params["vision_encoder"]["image_size"]
+    assert tokenizer.instruct_tokenizer.mm_encoder is not None
+    with safe_open(str(folder / "consolidated.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"tok_embeddings.weight", "layers.0.attention.wq.weight", "output.weight"} <= keys
+    assert {"vision_encoder.patch_conv.weight", "vision_language_adapter.w_in.weight"} <= keys
+    assert "vision_encoder.transformer.layers.0.feed_forward.w1.weight" in keys
 
 
 @pytest.mark.parametrize("family", CODE_FORMAT)

@@ -65,12 +65,13 @@ HYBRID_FAMILIES = ("qwen3_5", "minicpmv4_6")
 TWO_DECODERS = {"import_path": "deployments.app:build_app", "deployments": [{"name": "LLMDecode", "num_replicas": 2}]}
 
 
-def takes_image_embeddings(checkpoint: str) -> bool:
-    """From vLLM's own source of the checkpoint's architecture (scripts/family_table.py)."""
+def takes_image_embeddings(checkpoint: str, arch: str | None = None) -> bool:
+    """From vLLM's own source of the checkpoint's architecture (scripts/family_table.py); `arch`: the
+    one vLLM resolved, where the checkpoint has no config.json naming it (Mistral's format)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     import family_table
 
-    arch = json.loads((Path(checkpoint) / "config.json").read_text())["architectures"][0]
+    arch = arch or json.loads((Path(checkpoint) / "config.json").read_text())["architectures"][0]
     return family_table.takes_image_embeddings(arch)
 
 

@@ -5,6 +5,8 @@ what its features must look like; the fingerprint the decoder agrees with the en
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -154,6 +156,26 @@ def test_a_preprocessing_setting_changes_what_pixels_are_stamped_with(tiny_check
     assert stamped[0].num_tokens > stamped[1].num_tokens
 
 
+def test_a_mistral_format_image_setting_changes_what_pixels_are_stamped_with(tmp_path, tiny_checkpoint):
+    """Mistral's format keeps its image settings in the Tekken tokenizer (tekken.json's `image`):
+    another max_image_size is another Preprocess, with fewer tokens an image."""
+    import shutil
+
+    settings = BUILDERS["pixtral"].engine_args
+    copy = tmp_path / "smaller"
+    shutil.copytree(tiny_checkpoint("pixtral"), copy)
+    tekken = json.loads((copy / "tekken.json").read_text())
+    tekken["image"]["max_image_size"] //= 2
+    (copy / "tekken.json").write_text(json.dumps(tekken))
+    plain, smaller = (
+        VisionModel(tiny_checkpoint("pixtral"), settings=settings),
+        VisionModel(str(copy), settings=settings),
+    )
+    assert plain.processing_id() != smaller.processing_id()
+    image = plain.load_image(png_bytes("square"))
+    assert plain.preprocess(image).num_tokens > smaller.preprocess(image).num_tokens
+
+
 def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded, tiny_checkpoint):
     """Images: the connector for the families whose vLLM source has no image-embedding input
     (scripts/family_table.py reads it); where it has one, the connector only when vLLM refuses
@@ -163,7 +185,7 @@ def test_features_reach_the_decoder_as_embeddings_where_vllm_takes_them(encoded,
     Connector features carry the item's bytes for the engine's processor, embeddings never."""
     vision, features = encoded
     family = next(f for f in FAMILIES if tiny_checkpoint(f) == vision.checkpoint)
-    if not takes_image_embeddings(vision.checkpoint):
+    if not takes_image_embeddings(vision.checkpoint, vision.vllm_config.model_config.architecture):
         assert vision.forms["image"].delivery == CONNECTOR, family
     elif vision.forms["image"].delivery == CONNECTOR:
         model = VisionModel(vision.checkpoint, connector=True, settings=vision.settings)

@@ -33,7 +33,7 @@ def load_encoder_only(vllm_config) -> tuple[torch.nn.Module, str]:
         digest.append(_weights_digest(model))
 
     loader.load_weights = load_and_hash
-    with set_current_vllm_config(vllm_config), _process_group_of_one():
+    with set_current_vllm_config(vllm_config), process_group_of_one():
         model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
     return model, digest[0]
 
@@ -55,10 +55,11 @@ def _weights_digest(model: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def _process_group_of_one():
+def process_group_of_one():
     """vLLM's layers ask for their tensor-parallel group while they are built: a group of one.
-    It goes again once the model is built (a one-process model never uses it), since gloo's
-    threads would otherwise keep waking the idle replica for good."""
+    It goes again once the model is built (most one-process models never use it; those whose
+    forward asks for it get one again for each call, `VisionModel.encode`), since gloo's threads
+    would otherwise keep waking the idle replica for good."""
     from vllm.distributed import (
         destroy_distributed_environment,
         destroy_model_parallel,

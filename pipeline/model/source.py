@@ -47,8 +47,11 @@ def resolve_model(model: str) -> str:
         return str(_ensure_builtin(model))
     path = Path(model).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model path {model!r} has no config.json: not a Hugging Face checkpoint folder")
+        if not any((path / name).is_file() for name in ("config.json", "params.json")):
+            raise ValueError(
+                f"model path {model!r} has no config.json (Hugging Face format) or params.json (Mistral's format): "
+                "not a checkpoint folder"
+            )
         return str(path.resolve())
     if model.startswith((".", "/", "~")):
         raise ValueError(f"model path {model!r} does not exist")
@@ -86,6 +89,8 @@ def checkpoint_dtype(checkpoint: str) -> str:
     path = Path(checkpoint) / "config.json"
     if path.is_file():
         config = json.loads(path.read_text())
+    elif (Path(checkpoint) / "params.json").is_file():  # Mistral's format: a dtype where it says one
+        config = json.loads((Path(checkpoint) / "params.json").read_text())
     else:  # a hub id
         from transformers import AutoConfig
 

@@ -41,7 +41,7 @@ from cache_service.features import Features
 from cache_service.keys import content_hash
 from pipeline.errors import causes
 from pipeline.model.embedding_form import CONNECTOR, SOURCE, EmbeddingForm
-from pipeline.model.encoder_loading import load_encoder_only
+from pipeline.model.encoder_loading import load_encoder_only, process_group_of_one
 from pipeline.model.engine_settings import (
     config_dtype,
     feature_settings,
@@ -141,6 +141,9 @@ class VisionModel:
         # The prompt text of one item: the processor expands it into the item's placeholder tokens.
         self._prompts = {m: self.processor.dummy_inputs.get_dummy_text({m: 1}) for m in self.modalities}
         self.model: torch.nn.Module | None = None
+        # Whether the tower's forward asks for vLLM's tensor-parallel group (Pixtral's in Mistral's format:
+        # VisionTransformer.forward sizes its attention metadata by it), found on the first call.
+        self._forward_needs_group = False
         self._weights_digest: str | None = None
         self._processing_id: str | None = None
         # Features of the load-time image sample (`sample_image_bytes`), with its bytes where the
@@ -148,15 +151,40 @@ class VisionModel:
         self.sample_features: Features | None = None
 
     # --- Preprocess (CPU) -------------------------------------------------------
+    def _item_prompt(self, modality: str, items, mm_kwargs) -> str | list[int]:
+        """The prompt vLLM's processor takes `items` (parsed, of one prompt) in: the processor's own
+        text for that many items, which it expands into their placeholder tokens. A processor whose
+        text names no placeholder (empty) takes prompts that hold each item's placeholder tokens
+        already, laid out by the tokenizer's chat rendering (Pixtral's, in Mistral's format:
+        mistral_common places [IMG] tokens by the image's size): those tokens, as vLLM's own prompt
+        update for the items gives them."""
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        count = items.get_count(modality, strict=False)
+        prompt = (
+            self._prompts[modality] if count == 1 else self.processor.dummy_inputs.get_dummy_text({modality: count})
+        )
+        if prompt:
+            return prompt
+        updates = self.processor._get_prompt_updates(items, mm_kwargs, MultiModalKwargsItems({}))
+        tokens: list[int] = []
+        for update in updates:
+            if update.modality == modality:
+                for i in range(count):
+                    full = update.resolve(i).content.full
+                    tokens += full if isinstance(full, list) else self.processor.info.get_tokenizer().encode(full)
+        return tokens
+
     def preprocess(self, media: Any, modality: str = "image") -> PixelInputs:
         """vLLM's processor on one RGB image, or one video as vLLM's loader gives it
         (frames, metadata). A ValueError means the model cannot take it."""
         if modality not in self.modalities:
             raise ValueError(f"this model takes no {modality} input")
         try:
+            items = self.processor.data_parser.parse_mm_data({modality: [media]})
             out = self.processor(
-                self._prompts[modality],
-                self.processor.data_parser.parse_mm_data({modality: [media]}),
+                self._item_prompt(modality, items, self.mm_processor_kwargs),
+                items,
                 hf_processor_mm_kwargs=self.mm_processor_kwargs,
             )
         except ValueError as err:
@@ -254,15 +282,15 @@ class VisionModel:
 
         form = self.forms[modality]
         try:
-            prompt = self.processor.dummy_inputs.get_dummy_text({modality: len(features)})
-            out = self.processor(prompt, self._parse(features, modality), hf_processor_mm_kwargs={})
+            items = self._parse(features, modality)
+            out = self.processor(self._item_prompt(modality, items, {}), items, hf_processor_mm_kwargs={})
             back = []
             with set_current_vllm_config(self.vllm_config):
                 for _, _, kwargs in group_and_batch_mm_kwargs(
                     [(modality, item) for item in out["mm_kwargs"][modality]],
                     device=self.vllm_config.device_config.device,
                 ):
-                    back.extend(self.model.embed_multimodal(**kwargs))
+                    back.extend(self._embed(**kwargs))
         except Exception as err:
             return f"vLLM takes no {modality} embeddings for it: {type(err).__name__}: {err}"
         if len(back) != len(features) or not all(
@@ -303,6 +331,22 @@ class VisionModel:
             return f"vLLM gives {modality} embeddings other positions than the {modality}s themselves"
         return None
 
+    def _embed(self, **kwargs) -> list[torch.Tensor]:
+        """The model's `embed_multimodal`, in a tensor-parallel group of one where its forward asks for
+        one (outside an engine there is none: vLLM's "tensor model parallel group is not initialized")."""
+        from vllm.distributed import model_parallel_is_initialized
+
+        if self._forward_needs_group and not model_parallel_is_initialized():
+            with process_group_of_one():
+                return list(self.model.embed_multimodal(**kwargs))
+        try:
+            return list(self.model.embed_multimodal(**kwargs))
+        except AssertionError as err:
+            if "parallel group is not initialized" not in str(err):
+                raise
+            self._forward_needs_group = True
+            return self._embed(**kwargs)
+
     @torch.inference_mode()
     def encode(self, batch: list[PixelInputs]) -> list[Features]:
         """Features of each item, in as few `embed_multimodal` calls as vLLM's batching allows."""
@@ -313,7 +357,7 @@ class VisionModel:
         embeddings: list[torch.Tensor] = []
         with set_current_vllm_config(self.vllm_config):
             for _, _, kwargs in group_and_batch_mm_kwargs([(p.modality, p.item) for p in batch], device=device):
-                embeddings.extend(self.model.embed_multimodal(**kwargs))
+                embeddings.extend(self._embed(**kwargs))
         return [self._features(e, p) for e, p in zip(embeddings, batch)]
 
     def _features(self, embedding: torch.Tensor, pixels: PixelInputs) -> Features:
@@ -375,6 +419,10 @@ class VisionModel:
             "preprocessor_config.json",
             "processor_config.json",
             "video_preprocessor_config.json",
+            # Mistral's format: its config, and its Tekken tokenizer with the image settings
+            # mistral_common sizes images by (tokenizer_mode mistral).
+            "params.json",
+            "tekken.json",
         ):
             if (root / name).is_file():
                 parts.append((root / name).read_bytes())
@@ -448,7 +496,8 @@ class VisionModel:
             if (features.tensors[name].dtype, features.tensors[name].ndim) != (dtype, ndim):
                 return f"{name} is a {features.tensors[name].ndim}-d {features.tensors[name].dtype} tensor"
         try:
-            out = self.processor(self._prompts[modality], self._parse([features], modality), hf_processor_mm_kwargs={})
+            items = self._parse([features], modality)
+            out = self.processor(self._item_prompt(modality, items, {}), items, hf_processor_mm_kwargs={})
             (placeholder,) = out["mm_placeholders"][modality]
         except Exception as err:  # vLLM's validation: wrong hidden size, inconsistent grid, ...
             return f"vLLM refuses them as {modality} embeddings: {err}"

@@ -82,21 +82,33 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
         **settings,
         **parallel,
     )
-    # (A checkpoint without a processor of its own, whose processor vLLM brings: its tokenizer.)
-    processor = AutoProcessor.from_pretrained(checkpoint, trust_remote_code=settings.get("trust_remote_code", False))
-    tokenizer = getattr(processor, "tokenizer", processor)
+    engine_tokenizer = llm.get_tokenizer()
+    if getattr(engine_tokenizer, "IS_MISTRAL_TOKENIZER", False):
+        # Mistral's format (tokenizer_mode mistral): no chat template; mistral_common renders the chat,
+        # laying out each image's placeholder tokens by its size, from the images themselves.
+        def prompt_ids(images: list[str]) -> list[int]:
+            parts = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(n))}} for n in images]
+            messages = [{"role": "user", "content": parts + [{"type": "text", "text": REFERENCE_TEXT}]}]
+            return list(engine_tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    else:
+        # (A checkpoint without a processor of its own, whose processor vLLM brings: its tokenizer.)
+        processor = AutoProcessor.from_pretrained(
+            checkpoint, trust_remote_code=settings.get("trust_remote_code", False)
+        )
+        tokenizer = getattr(processor, "tokenizer", processor)
+
+        def prompt_ids(images: list[str]) -> list[int]:
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": REFERENCE_TEXT}]
+            messages = [{"role": "user", "content": parts}]
+            prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
     encoder_outputs = {}  # uuid -> the engine's own encoder output for it
 
     def answer(images: list[str], uuids: list[str], iris: bool) -> dict:
-        messages = [
-            {
-                "role": "user",
-                "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": REFERENCE_TEXT}],
-            }
-        ]
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        token_ids = prompt_ids(images)
         mine = [features[n] for n in images]
         if not iris:
             data = [vision.load_image(png_bytes(n)) for n in images]
@@ -147,17 +159,23 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
             "max_diff": (ours.float() - engine.float()).abs().max().item(),
             "scale": engine.float().abs().max().item(),
         }
-    url = "data:image/png;base64," + base64.b64encode(png_bytes("square")).decode()
     chat = [
         {
             "role": "user",
-            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": REFERENCE_TEXT}],
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png_bytes("square"))}},
+                {"type": "text", "text": REFERENCE_TEXT},
+            ],
         }
     ]
     (chat_output,) = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs
     result["chat"], result["chat_text"] = list(chat_output.token_ids), chat_output.text
     staging.close()
     return result
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 if __name__ == "__main__":

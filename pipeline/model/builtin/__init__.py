@@ -4,7 +4,8 @@
 
 writes a Hugging Face hub-layout checkpoint (config, safetensors weights, a
 byte-level BPE tokenizer, image processor, processor, chat template) that both
-transformers and vLLM load. Weights are seeded, so the same arguments always
+transformers and vLLM load (Pixtral in Mistral's own format instead: params.json, tekken.json,
+consolidated.safetensors, which vLLM and mistral_common load). Weights are seeded, so the same arguments always
 give the same checkpoint. One module per family with its `build(spec, out)`; the
 sizes of all (size -> `Spec`) are in BUILDERS below.
 
@@ -50,6 +51,7 @@ from pipeline.model.builtin import (
     mistral3,
     paligemma,
     phi3v,
+    pixtral,
     qwen2_vl,
     qwen3_5,
     qwen3_5_moe,
@@ -262,6 +264,17 @@ BUILDERS = {
         },
         phi3v.build,
         engine_args={"trust_remote_code": True},
+    ),
+    "pixtral": Builtin(
+        "Pixtral (Mistral format)",
+        {
+            # params.json, tekken.json and consolidated.safetensors (Pixtral-12B's layout: no patch merging):
+            # 96 px of 16 px patches, up to 6x6 [IMG] tokens an image, each row ending in [IMG_BREAK].
+            "tiny": Spec(128, 2, 4, 2, 64, 2, 4, 96, 16, "float32"),
+        },
+        pixtral.build,
+        tested="engine",
+        engine_args={"tokenizer_mode": "mistral", "config_format": "mistral", "load_format": "mistral"},
     ),
 }
 FAMILIES = tuple(BUILDERS)
