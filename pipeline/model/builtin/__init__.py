@@ -45,6 +45,7 @@ from pipeline.model.builtin import (
     llava,
     llava_next,
     llava_onevision,
+    minicpmv,
     minicpmv4_6,
     mistral3,
     paligemma,
@@ -252,6 +253,17 @@ BUILDERS = {
             "tiny": Spec(128, 2, 4, 2, 1024, 2, 16, 336, 14, "float32", vocab_size=32064),
         },
         phi3v.build,
+        tested="engine",
+        engine_args={"trust_remote_code": True},
+    ),
+    "minicpmv": Builtin(
+        "MiniCPM-V 4.5 (original format)",
+        {
+            # image_size: scale_resolution (side of one view); 4 px patches: 16×16 patches a view, resampled
+            # to 16 queries. The resampler has hidden / 128 heads: 1. Up to 4 slices and the source view.
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "float32"),
+        },
+        minicpmv.build,
         tested="engine",
         engine_args={"trust_remote_code": True},
     ),
