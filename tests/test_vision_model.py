@@ -29,12 +29,16 @@ TAKES_VIDEO = {
     "qwen3_5_moe",
     "minicpmv4_6",
     "minicpmv4_7",
+    "minicpmv",
     "internvl",
     "internvl_chat",
     "glm4v",
     "llava_onevision",
 }
-VIDEO_BY_CONNECTOR = {"internvl", "internvl_chat", "glm4v", "llava_onevision", "minicpmv4_7"}
+# MiniCPM-V's original format: vLLM reads a video embedding item's `video_image_sizes` both as one
+# [width, height] (get_frame_size, minicpmv.py:556-558) and as one a frame (get_num_frames, :560-561),
+# so a video's own features are refused (TypeError in the image processor's get_sliced_grid).
+VIDEO_BY_CONNECTOR = {"internvl", "internvl_chat", "glm4v", "llava_onevision", "minicpmv4_7", "minicpmv"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

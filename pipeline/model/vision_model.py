@@ -371,6 +371,15 @@ class VisionModel:
             metadata_fields = form.metadata_fields
         for name in metadata_fields:  # e.g. image_grid_thw: sizes the placeholder from embeddings
             value = pixels.item[name].data if name in pixels.item else pixels.metadata[name]
+            # Fields a processor gives as a list of tensors (OpenBMB's MiniCPM-V processor: an image's
+            # image_sizes [tensor([w, h])], a video's one [w, h] a frame) go back as one tensor: an
+            # image's alone (the shape vLLM's image embedding input takes), a video's frames stacked.
+            if (
+                isinstance(value, (list, tuple))
+                and value
+                and all(isinstance(v, torch.Tensor) and v.ndim for v in value)
+            ):
+                value = value[0] if pixels.modality == "image" and len(value) == 1 else torch.stack(value)
             # Lists of numbers (Qwen3-VL's frame timestamps) as float64, which keeps their printed value.
             tensors[name] = (
                 value.to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)

@@ -46,6 +46,7 @@ from pipeline.model.builtin import (
     llava,
     llava_next,
     llava_onevision,
+    minicpmv,
     minicpmv4_6,
     minicpmv4_7,
     mistral3,
@@ -275,6 +276,17 @@ BUILDERS = {
         pixtral.build,
         tested="engine",
         engine_args={"tokenizer_mode": "mistral", "config_format": "mistral", "load_format": "mistral"},
+    ),
+    "minicpmv": Builtin(
+        "MiniCPM-V 4.5 (original format)",
+        {
+            # image_size: scale_resolution (side of one view); 4 px patches: 16×16 patches a view, resampled
+            # to 16 queries. The resampler has hidden / 128 heads: 1. Up to 4 slices and the source view.
+            "tiny": Spec(128, 2, 2, 1, 64, 2, 4, 64, 4, "float32"),
+        },
+        minicpmv.build,
+        tested="engine",
+        engine_args={"trust_remote_code": True},
     ),
 }
 FAMILIES = tuple(BUILDERS)
