@@ -283,7 +283,8 @@ class VisionModel:
         form = self.forms[modality]
         try:
             items = self._parse(features, modality)
-            out = self.processor(self._item_prompt(modality, items, {}), items, hf_processor_mm_kwargs={})
+            prompt = self._item_prompt(modality, items, {})
+            out = self.processor(prompt, items, hf_processor_mm_kwargs={})
             back = []
             with set_current_vllm_config(self.vllm_config):
                 for _, _, kwargs in group_and_batch_mm_kwargs(
@@ -301,7 +302,7 @@ class VisionModel:
             return self._position_problem(prompt, out, media, modality)
         return None
 
-    def _position_problem(self, prompt: str, embedded, media: list, modality: str) -> str | None:
+    def _position_problem(self, prompt: str | list[int], embedded, media: list, modality: str) -> str | None:
         """Why the M-RoPE positions vLLM's model gives a prompt whose items are embeddings (`embedded`,
         the processor's output) are not those it gives the same prompt with the items themselves, or
         None (also for a model without M-RoPE)."""
