@@ -220,6 +220,16 @@ PRIVATE_APIS: tuple[Private, ...] = (
     ),
     Private(
         "vllm",
+        "vllm.multimodal.processing.processor.BaseMultiModalProcessor",
+        "_get_prompt_updates",
+        "attr",
+        ("pipeline/model/vision_model.py",),
+        "the placeholder tokens vLLM's processor expands an item into, for processors whose prompt holds "
+        "them already (Pixtral in Mistral's format: mistral_common lays them out by image size); vLLM's "
+        "processor reaches them through this method alone",
+    ),
+    Private(
+        "vllm",
         "vllm.model_executor.models.registry",
         "_MULTIMODAL_MODELS",
         "attr",
