@@ -150,6 +150,24 @@ def save(model, processor, tokenizer, spec: Spec, out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
+def save_code_processor(out: Path, tokenizer, template: str, processor_class: str, auto_map: dict) -> None:
+    """The processor half of a checkpoint whose processor is checkpoint code (Phi-3-Vision's,
+    MiniCPM-V's original format): processor_config.json and tokenizer_config.json name the code's
+    AutoProcessor, the chat template is saved beside the tokenizer and in its config (some loaders
+    read it only there); no `__pycache__` of the code is left behind."""
+    import shutil
+
+    processor = {"AutoProcessor": auto_map["AutoProcessor"]}
+    (out / "processor_config.json").write_text(json.dumps({"auto_map": processor, "processor_class": processor_class}))
+    (out / "chat_template.jinja").write_text(template)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings.update(chat_template=template, processor_class=processor_class, auto_map=processor)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    shutil.rmtree(out / "__pycache__", ignore_errors=True)
+
+
 def rename_weights(out: Path, rename) -> None:
     """Rewrite the saved weight names with `rename(name) -> name` (transformers 5 saves
     some families in a layout other than the hub's, which vLLM's loaders expect)."""

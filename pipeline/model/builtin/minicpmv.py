@@ -18,10 +18,9 @@ as `(<image>./</image>)`. vLLM takes precomputed embeddings as {"image_embeds": 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from pipeline.model.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template
+from pipeline.model.builtin.common import INIT_RANGE, Spec, byte_level_tokenizer, chat_template, save_code_processor
 
 VERSION = 4.5
 MAX_SLICES = 4
@@ -545,15 +544,4 @@ def build(spec: Spec, out: Path) -> None:
             indent=2,
         )
     )
-    (out / "processor_config.json").write_text(
-        json.dumps({"auto_map": {"AutoProcessor": auto_map["AutoProcessor"]}, "processor_class": "MiniCPMVProcessor"})
-    )
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(out)
-    settings = json.loads((out / "tokenizer_config.json").read_text())
-    settings["chat_template"] = TEMPLATE  # (some loaders read it only here)
-    settings["processor_class"] = "MiniCPMVProcessor"
-    settings["auto_map"] = {"AutoProcessor": auto_map["AutoProcessor"]}
-    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    shutil.rmtree(out / "__pycache__", ignore_errors=True)
+    save_code_processor(out, tokenizer, TEMPLATE, "MiniCPMVProcessor", auto_map)

@@ -15,10 +15,16 @@ tokens (vLLM lays images out with token 32044): bytes, padded (common.byte_level
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from pipeline.model.builtin.common import CLIP_MEAN_STD, INIT_RANGE, Spec, byte_level_tokenizer, chat_template
+from pipeline.model.builtin.common import (
+    CLIP_MEAN_STD,
+    INIT_RANGE,
+    Spec,
+    byte_level_tokenizer,
+    chat_template,
+    save_code_processor,
+)
 
 NUM_CROPS = 4
 CROP = 336  # vLLM's CLIP ViT-L/14-336
@@ -354,15 +360,4 @@ def build(spec: Spec, out: Path) -> None:
             indent=2,
         )
     )
-    (out / "processor_config.json").write_text(
-        json.dumps({"auto_map": {"AutoProcessor": auto_map["AutoProcessor"]}, "processor_class": "Phi3VProcessor"})
-    )
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(out)
-    settings = json.loads((out / "tokenizer_config.json").read_text())
-    settings["chat_template"] = TEMPLATE  # (some loaders read it only here)
-    settings["processor_class"] = "Phi3VProcessor"
-    settings["auto_map"] = {"AutoProcessor": auto_map["AutoProcessor"]}
-    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    shutil.rmtree(out / "__pycache__", ignore_errors=True)
+    save_code_processor(out, tokenizer, TEMPLATE, "Phi3VProcessor", auto_map)
