@@ -18,7 +18,6 @@ route `vllm serve` answers a chat request by.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import sys
@@ -45,7 +44,7 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
     from pipeline.model.ec_staging import FeatureStaging
     from pipeline.model.embedding_form import CONNECTOR
     from pipeline.model.vision_model import VisionModel
-    from tests.support.images import REFERENCE_TEXT, png_bytes
+    from tests.support.images import REFERENCE_TEXT, data_url, png_bytes
 
     settings = settings or {}
     vision = VisionModel(checkpoint, dtype, max_items={"image": 2, "video": 0}, settings=settings)
@@ -172,10 +171,6 @@ def main(checkpoint: str, dtype: str, engine_args: dict | None = None) -> dict:
     result["chat"], result["chat_text"] = list(chat_output.token_ids), chat_output.text
     staging.close()
     return result
-
-
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 if __name__ == "__main__":
