@@ -150,20 +150,34 @@ def save(model, processor, tokenizer, spec: Spec, out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-def save_code_processor(out: Path, tokenizer, template: str, processor_class: str, auto_map: dict) -> None:
+def save_code_processor(
+    out: Path, tokenizer, template: str, code: dict[str, str], processor: str, image_processor: str, **image_settings
+) -> None:
     """The processor half of a checkpoint whose processor is checkpoint code (Phi-3-Vision's,
-    MiniCPM-V's original format): processor_config.json and tokenizer_config.json name the code's
-    AutoProcessor, the chat template is saved beside the tokenizer and in its config (some loaders
-    read it only there); no `__pycache__` of the code is left behind."""
+    MiniCPM-V's original format): the `code` files (name -> source), preprocessor_config.json and
+    processor_config.json naming the code's `processor` and `image_processor` (module.Class), the
+    image processor's settings, the chat template beside the tokenizer and in its config (some
+    loaders read it only there); no `__pycache__` of the code is left behind."""
     import shutil
 
-    processor = {"AutoProcessor": auto_map["AutoProcessor"]}
-    (out / "processor_config.json").write_text(json.dumps({"auto_map": processor, "processor_class": processor_class}))
+    for name, source in code.items():
+        (out / name).write_text(source)
+    auto_map = {"AutoProcessor": processor, "AutoImageProcessor": image_processor}
+    processor_class = processor.rsplit(".", 1)[1]
+    preprocessor = {
+        "auto_map": auto_map,
+        "image_processor_type": image_processor.rsplit(".", 1)[1],
+        "processor_class": processor_class,
+        **image_settings,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    named = {"AutoProcessor": processor}
+    (out / "processor_config.json").write_text(json.dumps({"auto_map": named, "processor_class": processor_class}))
     (out / "chat_template.jinja").write_text(template)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(out)
     settings = json.loads((out / "tokenizer_config.json").read_text())
-    settings.update(chat_template=template, processor_class=processor_class, auto_map=processor)
+    settings.update(chat_template=template, processor_class=processor_class, auto_map=named)
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     shutil.rmtree(out / "__pycache__", ignore_errors=True)
 

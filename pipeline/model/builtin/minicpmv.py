@@ -511,37 +511,31 @@ def build(spec: Spec, out: Path) -> None:
         "dtype": spec.dtype,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "configuration_minicpm.py").write_text(CONFIG_CODE)
-    (out / "image_processing_minicpmv.py").write_text(IMAGE_PROCESSING_CODE)
-    (out / "processing_minicpmv.py").write_text(PROCESSING_CODE)
-    auto_map = {
-        "AutoProcessor": "processing_minicpmv.MiniCPMVProcessor",
-        "AutoImageProcessor": "image_processing_minicpmv.MiniCPMVImageProcessor",
-    }
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "auto_map": auto_map,
-                "image_processor_type": "MiniCPMVImageProcessor",
-                "processor_class": "MiniCPMVProcessor",
-                "max_slice_nums": MAX_SLICES,
-                "scale_resolution": spec.image_size,
-                "patch_size": spec.patch_size,
-                "use_image_id": True,
-                "image_feature_size": QUERY_NUM,
-                "im_start": "<image>",
-                "im_end": "</image>",
-                "slice_start": "<slice>",
-                "slice_end": "</slice>",
-                "unk": "<unk>",
-                "im_id_start": "<image_id>",
-                "im_id_end": "</image_id>",
-                "slice_mode": True,
-                "norm_mean": [0.5, 0.5, 0.5],
-                "norm_std": [0.5, 0.5, 0.5],
-                "version": VERSION,
-            },
-            indent=2,
-        )
+    save_code_processor(
+        out,
+        tokenizer,
+        TEMPLATE,
+        {
+            "configuration_minicpm.py": CONFIG_CODE,
+            "image_processing_minicpmv.py": IMAGE_PROCESSING_CODE,
+            "processing_minicpmv.py": PROCESSING_CODE,
+        },
+        "processing_minicpmv.MiniCPMVProcessor",
+        "image_processing_minicpmv.MiniCPMVImageProcessor",
+        max_slice_nums=MAX_SLICES,
+        scale_resolution=spec.image_size,
+        patch_size=spec.patch_size,
+        use_image_id=True,
+        image_feature_size=QUERY_NUM,
+        im_start="<image>",
+        im_end="</image>",
+        slice_start="<slice>",
+        slice_end="</slice>",
+        unk="<unk>",
+        im_id_start="<image_id>",
+        im_id_end="</image_id>",
+        slice_mode=True,
+        norm_mean=[0.5, 0.5, 0.5],
+        norm_std=[0.5, 0.5, 0.5],
+        version=VERSION,
     )
-    save_code_processor(out, tokenizer, TEMPLATE, "MiniCPMVProcessor", auto_map)

@@ -340,24 +340,18 @@ def build(spec: Spec, out: Path) -> None:
         "dtype": spec.dtype,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "configuration_phi3_v.py").write_text(CONFIG_CODE)
-    (out / "image_processing_phi3_v.py").write_text(IMAGE_PROCESSING_CODE)
-    (out / "processing_phi3_v.py").write_text(PROCESSING_CODE)
-    auto_map = {
-        "AutoProcessor": "processing_phi3_v.Phi3VProcessor",
-        "AutoImageProcessor": "image_processing_phi3_v.Phi3VImageProcessor",
-    }
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "auto_map": auto_map,
-                "image_processor_type": "Phi3VImageProcessor",
-                "processor_class": "Phi3VProcessor",
-                "num_crops": NUM_CROPS,
-                "do_convert_rgb": True,
-                **CLIP_MEAN_STD,
-            },
-            indent=2,
-        )
+    save_code_processor(
+        out,
+        tokenizer,
+        TEMPLATE,
+        {
+            "configuration_phi3_v.py": CONFIG_CODE,
+            "image_processing_phi3_v.py": IMAGE_PROCESSING_CODE,
+            "processing_phi3_v.py": PROCESSING_CODE,
+        },
+        "processing_phi3_v.Phi3VProcessor",
+        "image_processing_phi3_v.Phi3VImageProcessor",
+        num_crops=NUM_CROPS,
+        do_convert_rgb=True,
+        **CLIP_MEAN_STD,
     )
-    save_code_processor(out, tokenizer, TEMPLATE, "Phi3VProcessor", auto_map)
