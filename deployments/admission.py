@@ -22,7 +22,7 @@ from deployments.config import IrisConfig
 from deployments.metrics import RequestMetrics, TenantMetrics
 from pipeline.errors import IrisError
 from pipeline.tenancy.auth import KeyRing, unauthorized
-from pipeline.tenancy.limits import TenantLimiter, Ticket
+from pipeline.tenancy.limits import TenantLimiter, TenantLimits, Ticket
 from pipeline.tenancy.tenant import bearer_token, tenant_of
 
 
@@ -51,10 +51,16 @@ async def unrouted(request: Request, err: HTTPException) -> JSONResponse:
 
 
 class Admission:
-    def __init__(self, config: IrisConfig, metrics: RequestMetrics):
+    def __init__(self, config: IrisConfig, metrics: RequestMetrics, own_limits: dict[str, TenantLimits] | None = None):
+        """`own_limits`: the models (of an app of several) whose requests count against limits of their own."""
         self.keys = KeyRing.load(config.auth)  # None: no keys configured, requests need none
         self.tenant_header = config.tenant_header
-        self.limiter = TenantLimiter(config.tenant_limits, config.cache, config.request_timeout_s)
+        timeout = config.request_timeout_s
+        # "" -> the app's limits; a model's name -> its own
+        self.limiters = {"": TenantLimiter(config.tenant_limits, config.cache, timeout)} | {
+            model: TenantLimiter(limits, config.cache, timeout, scope=model)
+            for model, limits in (own_limits or {}).items()
+        }
         self.metrics = TenantMetrics(metrics.counts)
         self._releasing: set[asyncio.Task] = set()
 
@@ -68,12 +74,18 @@ class Admission:
         return tenant_of(request.headers, self.tenant_header, owner)
 
     def ticket(self, tenant: str) -> Ticket:
-        return self.limiter.ticket(tenant)
+        return self.limiters[""].ticket(tenant)
+
+    def route(self, ticket: Ticket, model: str) -> None:
+        """Before admission: count the ticket under `model`'s own limits, where it has them."""
+        limiter = self.limiters.get(model)
+        if limiter is not None:
+            ticket.scope, ticket.limits = model, limiter.limits.of(ticket.tenant)
 
     async def admit(self, ticket: Ticket, images: int) -> None:
         """Take the ticket's place within its tenant's limits; a 429 IrisError when over one."""
         try:
-            await self.limiter.admit(ticket, images)
+            await self.limiters[ticket.scope].admit(ticket, images)
         except IrisError as err:
             if err.status_code == 429:  # not the 400 of a request with more images than a minute allows
                 self.metrics.rate_limited(ticket.tenant, err.extra["limit"])
@@ -86,10 +98,14 @@ class Admission:
         if ticket.backend is None or ticket.released:
             return
         self.metrics.charged(ticket.tenant, ticket.prompt_tokens)
-        task = asyncio.ensure_future(self.limiter.release(ticket))
+        task = asyncio.ensure_future(self.limiters[ticket.scope].release(ticket))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
         await asyncio.shield(task)
 
     def stats(self) -> dict:
-        return dict(self.limiter.stats)
+        stats = dict(self.limiters[""].stats)
+        for model, limiter in self.limiters.items():
+            if model:
+                stats[model] = dict(limiter.stats)
+        return stats

@@ -36,16 +36,33 @@ def build_app(args: dict | None = None) -> Application:
 
 
 def iris_application(config: IrisConfig, **ingress_options) -> Application:
-    """The deployment graph. A replica that an update (`serve deploy` of a changed config) or a
-    scale-down stops finishes its requests first: the Ingress's and LLMDecode's for as long as a
-    request may take (Serve's default, 20 s, cut longer answers, and the Ingress's requests that
-    wait for a replacing decode replica)."""
+    """The deployment graph: per model served, Preprocess and VisionEncoder (none for a text-only
+    model) and LLMDecode, each named `<Stage>:<model>` in an app of several; one Ingress for all.
+    A replica that an update (`serve deploy` of a changed config) or a scale-down stops finishes
+    its requests first: the Ingress's and LLMDecode's for as long as a request may take (Serve's
+    default, 20 s, cut longer answers, and the Ingress's requests that wait for a replacing decode
+    replica)."""
     drain = {"graceful_shutdown_timeout_s": config.request_timeout_s + SHUTDOWN_MARGIN_S}
-    encoder = VisionEncoder.bind(config)
-    preprocess = Preprocess.bind(config)
-    # Several vLLM ranks per replica: a placement group per replica (deployments/placement.py).
-    decode = LLMDecode.options(**drain, **config.decode_ranks().serve_options()).bind(config)
-    return Ingress.options(**{**drain, **ingress_options}).bind(config, preprocess, encoder, decode)
+    stages = []
+    for model in config.model_configs():
+        # Several vLLM ranks per replica: a placement group per replica (deployments/placement.py).
+        decode_options = {
+            "name": deployment_name("LLMDecode", config, model),
+            **drain,
+            **model.decode_ranks().serve_options(),
+        }
+        decode = LLMDecode.options(**decode_options).bind(model)
+        preprocess = encoder = None
+        if model.takes_media():
+            preprocess = Preprocess.options(name=deployment_name("Preprocess", config, model)).bind(model)
+            encoder = VisionEncoder.options(name=deployment_name("VisionEncoder", config, model)).bind(model)
+        stages.append((model, preprocess, encoder, decode))
+    return Ingress.options(**{**drain, **ingress_options}).bind(config, stages)
+
+
+def deployment_name(stage: str, app: IrisConfig, model: IrisConfig) -> str:
+    """The stage's own name in an app of one model; `<Stage>:<model>` in an app of several (`models:`)."""
+    return f"{stage}:{model.deployment_suffix}" if app.models else stage
 
 
 def _report_redis(config: IrisConfig) -> None:

@@ -6,20 +6,44 @@ are Serve's own `deployments:` options in serve_config.yaml.
 
 from __future__ import annotations
 
+import re
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cache_service.config import CacheConfig
 from deployments.placement import DecodePlacement, Placement, plan
 from deployments.tracing import TracingConfig
-from deployments.vllm_args import check_engine_args, model_settings
+from deployments.vllm_args import adapter_names, check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
 from pipeline.model.source import builtin_engine_args, resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig
 from pipeline.tenancy.fair_gate import FairSharing
 from pipeline.tenancy.limits import TenantLimits
+
+# What belongs to one model of an app: with `models`, each entry sets these (tenant_limits may be
+# set at the top level too, for every model that sets none); the other fields are the app's.
+MODEL_FIELDS = (
+    "model",
+    "served_model_name",
+    "max_images_per_prompt",
+    "max_videos_per_prompt",
+    "encoder_batch_size",
+    "encoder_batch_wait_s",
+    "encoder_batch_max_tokens",
+    "stream_interval_s",
+    "encoder_cpu_threads",
+    "preprocess_cpu_threads",
+    "dtype",
+    "decoder_features",
+    "engine_args",
+    "decode_placement",
+    "max_tokens_limit",
+    "max_text_bytes_per_token",
+    "tenant_limits",
+)
 
 
 class IrisConfig(BaseModel):
@@ -164,6 +188,15 @@ class IrisConfig(BaseModel):
         "is a 400 `context_length_exceeded` at the ingress (docs/api.md). Text runs 3-5 bytes a token, "
         "JSON-escaped non-Latin script up to about 12; raise it only for prompts of longer tokens.",
     )
+    models: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Several models behind one endpoint, one entry each: its `model`, `served_model_name`, "
+        "engine_args and the other settings of one model (MODEL_FIELDS; unset ones take their defaults), "
+        "routed by the request's `model`. Each model has its own deployments, named `<Stage>:<name>` "
+        "(docs/deployment.md); a text-only model has an LLMDecode only. The other settings (cache, media, "
+        "auth, fair sharing, ...) are the app's; `tenant_limits` in an entry gives that model limits of its own. "
+        "Empty (the default): the one model of the top-level settings.",
+    )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces over OTLP: one trace per request, a span per stage "
@@ -188,6 +221,67 @@ class IrisConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_models(self) -> IrisConfig:
+        if not self.models:
+            return self
+        own = sorted((self.model_fields_set & set(MODEL_FIELDS)) - {"tenant_limits"})
+        if own:
+            raise ValueError(f"{own} belong to a model: with `models`, set them in each of its entries")
+        names: dict[str, str] = {}  # route name (served name or adapter) -> its model
+        deployments: dict[str, str] = {}
+        for config in self.model_configs():
+            for name in (config.model_name, *adapter_names(config.engine_args)):
+                if name in names:
+                    raise ValueError(
+                        f"models: two models answer to {name!r} ({names[name]!r} and {config.model_name!r}); "
+                        "requests are routed by name: give each a served_model_name (and adapter names) of its own"
+                    )
+                names[name] = config.model_name
+            other = deployments.setdefault(config.deployment_suffix, config.model_name)
+            if other != config.model_name:
+                raise ValueError(
+                    f"models: {other!r} and {config.model_name!r} would share the deployment names "
+                    f"`<Stage>:{config.deployment_suffix}`: give one a served_model_name of its own"
+                )
+        return self
+
+    def own_tenant_limits(self) -> dict[str, TenantLimits]:
+        """The models whose entries set tenant limits of their own, by served name."""
+        return {
+            config.model_name: config.tenant_limits
+            for config, entry in zip(self.model_configs(), self.models)
+            if "tenant_limits" in entry
+        }
+
+    def model_configs(self) -> list[IrisConfig]:
+        """One config per model served: the app's settings with each entry's (or this one, without `models`)."""
+        return self._model_configs
+
+    @cached_property
+    def _model_configs(self) -> list[IrisConfig]:  # built once: each entry is checked by vLLM's parser
+        if not self.models:
+            return [self]
+        configs = []
+        for index, entry in enumerate(self.models):
+            shared = sorted(set(entry) - set(MODEL_FIELDS))
+            if shared:
+                raise ValueError(f"models[{index}]: {shared} are the app's, set at the top level (not per model)")
+            try:
+                own = IrisConfig.model_validate(entry)
+            except ValidationError as err:
+                problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in err.errors())
+                raise ValueError(f"models[{index}]: {problems}") from None
+            update = {name: getattr(own, name) for name in MODEL_FIELDS if name in entry or name != "tenant_limits"}
+            configs.append(self.model_copy(update={**update, "models": []}))
+        return configs
+
+    @property
+    def deployment_suffix(self) -> str:
+        """What a model's deployment names end with in an app of several: its served name as Ray Serve
+        LLM writes it into its own ("/" -> "--", "." -> "_"), and no character Serve refuses ("#")."""
+        return re.sub(r"[^\w:@+=-]", "_", self.model_name.replace("/", "--"))
+
+    @model_validator(mode="after")
     def _check_placement(self) -> IrisConfig:
         self.decode_ranks()  # a parallel setting no placement can run is refused at build time
         return self
@@ -199,6 +293,12 @@ class IrisConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    def takes_media(self) -> bool:  # TEMP until the text-model branch lands
+        from pipeline.model.engine_settings import stage_engine_args
+
+        args = stage_engine_args(resolve_model(self.model), model_settings(self.engine_args), "auto", {})
+        return args.create_model_config().is_multimodal_model
 
     def vision_model(self) -> VisionModel:
         """vLLM's image and video path for this model, built alike by every stage so that they agree

@@ -24,7 +24,6 @@ from types import SimpleNamespace
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 from deployments import tracing
 from deployments.admission import Admission, caller, unrouted
@@ -33,8 +32,10 @@ from deployments.decode_stream import DecodeStream
 from deployments.failures import failure_response
 from deployments.media_features import EncodeLost, MediaFeatures, RequestMedia
 from deployments.metrics import RequestMetrics
+from deployments.model_routing import ModelRouter, ModelStages, ServedModel
 from deployments.request_parsing import RequestParser, VLLMAnswer, answer_id, forwarded_headers
 from deployments.stage_trace import mark
+from deployments.vllm_args import adapter_names
 from pipeline.errors import MODEL_CHANGED, IrisError
 from pipeline.stage_io import DecodeCall, DecodeDone
 from pipeline.tenancy.limits import Ticket
@@ -67,16 +68,25 @@ HEALTH_TIMEOUT_S = 10.0  # a decode replica that does not answer its health chec
 @serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": INGRESS_ENV}})
 @serve.ingress(app)
 class Ingress:
-    def __init__(
-        self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle, decode: DeploymentHandle
-    ):
+    def __init__(self, config: IrisConfig, stages: list[ModelStages]):
+        """`stages`: each served model's settings and its deployments' handles (no Preprocess and
+        VisionEncoder for a text-only model), the first one answering requests that name no model."""
         self.config = config
         tracing.setup(config.tracing, "ingress")
-        self.decode = decode
         self.metrics = RequestMetrics()
-        self.admission = Admission(config, self.metrics)
-        self.features = MediaFeatures(config, preprocess, encoder, self.metrics)
-        self.parser = RequestParser(config, decode)
+        self.router = ModelRouter(
+            [
+                ServedModel(
+                    model,
+                    decode,
+                    MediaFeatures(model, preprocess, encoder, self.metrics),
+                    RequestParser(model, decode),
+                    (model.model_name, *adapter_names(model.engine_args)),
+                )
+                for model, preprocess, encoder, decode in stages
+            ]
+        )
+        self.admission = Admission(config, self.metrics, config.own_tenant_limits())
         # What the module-level dependency and error handlers reach (one Ingress per replica process);
         # vLLM's validation handler reads `args`.
         app.state.ingress = self
@@ -84,25 +94,37 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 while a decode engine answers vLLM's health check, else 503; needs no key."""
-        try:
-            await asyncio.wait_for(self.decode.health.remote(), HEALTH_TIMEOUT_S)
-        except Exception as err:
-            return JSONResponse({"status": "unhealthy", "error": f"{type(err).__name__}: {err}"[:500]}, status_code=503)
-        return JSONResponse({"status": "ok", "redis": await self.features.cache.ping()})
+        """200 while every model's decode engine answers vLLM's health check, else 503; needs no key."""
+        models = self.router.models
+        checks = [asyncio.wait_for(model.decode.health.remote(), HEALTH_TIMEOUT_S) for model in models]
+        for model, outcome in zip(models, await asyncio.gather(*checks, return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                error = f"{type(outcome).__name__}: {outcome}"[:500]
+                unhealthy = {"status": "unhealthy", "error": error} | ({"model": model.name} if len(models) > 1 else {})
+                return JSONResponse(unhealthy, status_code=503)
+        return JSONResponse({"status": "ok", "redis": await models[0].features.cache.ping()})
 
     @app.get("/v1/models", dependencies=[Depends(caller)])
     async def list_models(self) -> Response:
-        """vLLM's model list: the served name and its LoRA adapters."""
-        return Response(await self.decode.models.remote(), media_type="application/json")
+        """vLLM's model list: each model's served name and its LoRA adapters."""
+        lists = await asyncio.gather(*(model.decode.models.remote() for model in self.router.models))
+        if len(lists) == 1:
+            return Response(lists[0], media_type="application/json")
+        return JSONResponse({"object": "list", "data": [card for text in lists for card in json.loads(text)["data"]]})
 
     @app.get("/iris/stats", dependencies=[Depends(caller)])
     async def stats(self):
+        """The first model's cache and model under `cache` and `model`; with several, each under `models`."""
+        models = {
+            model.name: {"cache": model.features.cache.stats(), "model": await model.features.model()}
+            for model in self.router.models
+        }
+        first = next(iter(models.values()))
         return {
             "ingress": dict(self.metrics.counts),
-            "cache": self.features.cache.stats(),
             "tenant_limits": self.admission.stats(),
-            "model": await self.features.model(),
+            **first,
+            **({"models": models} if len(models) > 1 else {}),
         }
 
     @app.post("/v1/chat/completions")
@@ -128,8 +150,8 @@ class Ingress:
     async def _text_route(self, route: str, request: Request) -> Response:
         """vLLM's /tokenize and /detokenize, answered by a decode replica's tokenizer."""
         try:
-            body, _ = await self.parser.parse(route, request)
-            opened = await self.decode.text.remote(route, body)
+            model, body, _ = await self.router.parse(route, request)
+            opened = await model.decode.text.remote(route, body)
         except VLLMAnswer as answer:
             return answer.response
         except Exception as err:  # a client error, a dead replica (503), a bug (500)
@@ -142,7 +164,7 @@ class Ingress:
         the answer ends, however it ends."""
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        tracing.tag_request(tenant, model=self.config.model_name)
+        tracing.tag_request(tenant)
         ticket = self.admission.ticket(tenant)
         try:
             async with asyncio.timeout_at(deadline):
@@ -167,15 +189,17 @@ class Ingress:
         the request's encodes, and again, once, after a rolling update (the items keyed anew) or
         after features vanished from the cache since they were looked up (computed again)."""
         with tracing.span("ingress.parse"):
-            body, items = await self.parser.parse(route, request)
+            model, body, items = await self.router.parse(route, request)
         mark("ingress.parsed")
         forwarded = forwarded_headers(request, body)
-        tracing.tag_request(request_id=answer_id(route, body, forwarded))
+        tracing.tag_request(model=model.name, request_id=answer_id(route, body, forwarded))
+        self.admission.route(ticket, model.name)
         await self.admission.admit(ticket, len(items))  # before any media work
-        media = await self.features.resolve(items, ticket.tenant)
+        features = model.features
+        media = await features.resolve(items, ticket.tenant)
         rekeyed = recomputed = False
         while True:
-            self.features.key_parts(media.items)
+            features.key_parts(media.items)
             tracing.tag_request(
                 images_cached=media.cached,
                 images_computed=media.computed,
@@ -185,7 +209,7 @@ class Ingress:
                 route, body, media.keys, media.modalities, media.delivered, ticket.tenant, forwarded, tracing.carrier()
             )
             try:
-                stream = await DecodeStream.open(self.decode, call, media.take_encodes())
+                stream = await DecodeStream.open(model.decode, call, media.take_encodes())
             except EncodeLost:
                 # An encoder or Preprocess replica died under this request's encode (killed,
                 # OOM, its node lost): computed again once, on a replica that lives.
@@ -193,7 +217,7 @@ class Ingress:
                     raise
                 self.metrics.counts["encodes_lost"] += 1  # /iris/stats
                 recomputed = True
-                await self.features.encode_again(media)
+                await features.encode_again(media)
                 continue
             first = stream.first
             if first.error is None and first.missing_keys is None:
@@ -204,13 +228,13 @@ class Ingress:
                 # A rolling update: a stage already runs other weights or preprocessing than the
                 # fingerprint this request was keyed with. Nothing has reached the client yet: key
                 # its items again with the new fingerprint, once.
-                self.features.forget_model()
+                features.forget_model()
                 self.metrics.counts["requests_rekeyed"] += 1  # /iris/stats: requests that met a rolling update
                 rekeyed = True
-                media = await self.features.resolve(items, ticket.tenant)
+                media = await features.resolve(items, ticket.tenant)
             elif first.missing_keys is not None:
                 # 409 for an upload-free item; computed again once (within the request's deadline).
-                await self.features.recompute(media, first.missing_keys, encode=not recomputed)
+                await features.recompute(media, first.missing_keys, encode=not recomputed)
                 if recomputed:
                     raise IrisError(
                         "image features could not be delivered to the decoder",

@@ -134,8 +134,13 @@ async def all_or_none(aws: list) -> list:
 
 class MediaFeatures:
     def __init__(
-        self, config: IrisConfig, preprocess: DeploymentHandle, encoder: DeploymentHandle, metrics: RequestMetrics
+        self,
+        config: IrisConfig,
+        preprocess: DeploymentHandle | None,
+        encoder: DeploymentHandle | None,
+        metrics: RequestMetrics,
     ):
+        """`preprocess` and `encoder` None: a text-only model, whose requests may hold no media."""
         self.config = config
         self.preprocess = preprocess
         self.encoder = encoder
@@ -157,8 +162,9 @@ class MediaFeatures:
         fingerprint = await self._get_fingerprint()
         for item in items:
             if item.modality not in self._modalities:
+                takes = ", ".join(self._modalities) or "text only"
                 raise bad_request(
-                    f"this model takes no {item.modality} input (it takes {', '.join(self._modalities)})",
+                    f"this model takes no {item.modality} input (it takes {takes})",
                     param=item.name,
                     code=f"unsupported_{item.modality}",
                 )
@@ -246,9 +252,11 @@ class MediaFeatures:
     async def model(self) -> dict:
         """The encoder's fingerprint (what a plain `vllm serve` with Iris's EC connector needs to
         read these keys: docs/families.md) and how each modality's features reach the decoder."""
-        return {"fingerprint": await self._get_fingerprint(), "features_to_decoder": dict(self._modalities)}
+        return {"fingerprint": await self._get_fingerprint() or None, "features_to_decoder": dict(self._modalities)}
 
     async def _get_fingerprint(self) -> str:
+        if self.encoder is None:  # a text-only model: no key is made, every item is refused
+            return ""
         if self._fingerprint is None:
             self._fingerprint, self._modalities = await asyncio.gather(
                 self.encoder.get_fingerprint.remote(), self.encoder.get_modalities.remote()

@@ -13,6 +13,7 @@ body, where its media parts are known."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -51,6 +52,24 @@ def forwarded_headers(request: Request, body: Any) -> dict[str, str]:
 def answer_id(route: str, body: Any, forwarded: dict[str, str]) -> str:
     """The id vLLM gives the answer: its prefix, then X-Request-Id, else the body's request_id."""
     return ANSWER_ID_PREFIX.get(route, "") + (forwarded.get("x-request-id") or getattr(body, "request_id", ""))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a body may hold: bytes in all, bytes of text (None: unbounded), data: URLs."""
+
+    max_body: int
+    max_text: int | None
+    media_strings: int
+
+    @staticmethod
+    def widest(bounds: list[Bounds]) -> Bounds:
+        texts = [b.max_text for b in bounds]
+        return Bounds(
+            max(b.max_body for b in bounds),
+            None if None in texts else max(texts),
+            max(b.media_strings for b in bounds),
+        )
 
 
 class VLLMAnswer(Exception):
@@ -100,26 +119,46 @@ class RequestParser:
                 return self.fallback_model_len * self.bytes_per_token + TEXT_SLACK_BYTES
         return self.max_model_len * self.bytes_per_token + TEXT_SLACK_BYTES
 
-    async def parse(self, route: str, request: Request) -> tuple[Any, list[MediaItem]]:
-        """The body and its media items; an IrisError for Iris's own refusals (`max_tokens_limit`
-        included), VLLMAnswer for vLLM's (its handlers read `request.app.state.args`: the ingress sets it)."""
-        from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
-        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
-        from vllm.exceptions import VLLMError
-
+    async def bounds(self) -> Bounds:
         max_text = await self.max_text_bytes()
-        max_body = self.max_media_bytes + (max_text if max_text is not None else 1 << 20)
+        return Bounds(
+            self.max_media_bytes + (max_text if max_text is not None else 1 << 20), max_text, sum(self.limits.values())
+        )
+
+    async def read(self, route: str, request: Request, bounds: Bounds | None = None) -> bytes:
+        """The body's bytes, within this model's bounds or wider ones given (an app of several models
+        reads a body before it knows the model). A text over the bound is dropped as it arrives."""
+        bounds = bounds or await self.bounds()
         # No request may hold more data: URLs than its images and videos (a 400 too_many_* else).
         raw = await read_body(
             request.stream(),
             request.headers.get("content-length"),
-            max_body,
-            max_text,
-            media_strings=sum(self.limits.values()),
+            bounds.max_body,
+            bounds.max_text,
+            media_strings=bounds.media_strings,
         )
         if raw is None:  # over the bound before parsing: a huge text was dropped as it arrived
-            raise self._text_too_long(route, max_text)
-        body = await parse_body(raw)
+            raise self._text_too_long(route, bounds.max_text)
+        return raw
+
+    async def parse(
+        self, route: str, request: Request, raw: bytes | None = None, body: dict | None = None
+    ) -> tuple[Any, list[MediaItem]]:
+        """The body and its media items; an IrisError for Iris's own refusals (`max_tokens_limit`
+        included), VLLMAnswer for vLLM's (its handlers read `request.app.state.args`: the ingress sets it).
+        `raw` and `body`: the request's bytes and JSON where already read."""
+        from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+        from vllm.exceptions import VLLMError
+
+        if raw is None:
+            bounds = await self.bounds()
+            raw = await self.read(route, request, bounds)
+            max_text = bounds.max_text
+        else:
+            max_text = await self.max_text_bytes()
+        if body is None:
+            body = await parse_body(raw)
         try:
             parsed, items = parse_request(self.models, route, body, self.limits)
         except ValidationError as err:  # as FastAPI reports a body that fails its model, to vLLM's handler

@@ -92,6 +92,11 @@ def model_settings(values: dict[str, Any]) -> dict[str, Any]:
     return engine_settings.model_settings(serve_args(PLACEHOLDER, values), serve_args(PLACEHOLDER, {}))
 
 
+def adapter_names(values: dict[str, Any]) -> list[str]:
+    """The LoRA adapters these settings load at start-up (`lora_modules`), by the names clients send as `model`."""
+    return [module.name for module in serve_args(PLACEHOLDER, values).lora_modules or []]
+
+
 def argv(values: dict[str, Any]) -> list[str]:
     """The command line for these settings (vLLM's flags are their names with dashes)."""
     out: list[str] = []

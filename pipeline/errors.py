@@ -39,7 +39,7 @@ class IrisError(Exception):
         status_code: int = 400,
         type: str | None = None,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # an int where vLLM answers with one (its 404 for an unknown model)
         extra: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:

@@ -121,6 +121,7 @@ class Ticket:
     backend: str | None = None  # "redis" | "memory" once admitted; None: nothing held
     prompt_tokens: int = 0  # charged on release (the answer's usage)
     released: bool = False
+    scope: str = ""  # the model whose own limits count it (an app of several models); "": the app's
 
 
 # KEYS: in-flight set, images of this minute, prompt tokens of this minute
@@ -197,8 +198,11 @@ class MemoryCounters:
 class TenantLimiter:
     """admit() a request before any work on it, release() its ticket when its answer ends."""
 
-    def __init__(self, limits: TenantLimits, cache: CacheConfig, request_timeout_s: float, clock=time.time):
+    def __init__(
+        self, limits: TenantLimits, cache: CacheConfig, request_timeout_s: float, clock=time.time, scope: str = ""
+    ):
         self.limits = limits
+        self.scope = scope  # a model with limits of its own: counted apart from the app's (Redis keys of its own)
         self.slot_ms = int((request_timeout_s + limits.slot_grace_s) * 1000)
         self.namespace = cache.namespace
         self.clock = clock
@@ -208,12 +212,13 @@ class TenantLimiter:
         self.stats = {"redis_admissions": 0, "memory_admissions": 0, "redis_errors": 0}
 
     def ticket(self, tenant: str) -> Ticket:
-        return Ticket(tenant, self.limits.of(tenant))
+        return Ticket(tenant, self.limits.of(tenant), scope=self.scope)
 
     def keys(self, tenant: str, minute: int) -> tuple[str, str, str]:
         """The tenant's Redis keys: one hash tag per tenant, so a cluster runs its scripts on one slot."""
         tag = hashlib.sha256(b"iris-tenant-limits\0" + tenant.encode()).hexdigest()[:24]
-        base = f"{self.namespace}:limits:{{{tag}}}"
+        scope = f"model:{hashlib.sha256(self.scope.encode()).hexdigest()[:16]}:" if self.scope else ""
+        base = f"{self.namespace}:limits:{scope}{{{tag}}}"
         return f"{base}:inflight", f"{base}:images:{minute}", f"{base}:tokens:{minute}"
 
     async def admit(self, ticket: Ticket, images: int = 0) -> None:
