@@ -192,16 +192,14 @@ def _check_decode_placement(config: dict) -> None:
 
     for app in config["applications"]:
         args = app.get("args") or {}
-        decodes = {
-            f"LLMDecode:{deployment_suffix(entry)}" if "models" in args else "LLMDecode": entry
+        ranks = {  # each decode deployment's ranks (plan refuses engine_args no placement can run)
+            f"LLMDecode:{deployment_suffix(entry)}" if "models" in args else "LLMDecode": plan(
+                entry.get("engine_args") or {}, DecodePlacement(**(entry.get("decode_placement") or {}))
+            )
             for entry in args.get("models") or [args]
         }
         for options in app.get("deployments", []):
-            entry = decodes.get(options["name"])
-            if entry is None:
-                continue
-            ranks = plan(entry.get("engine_args") or {}, DecodePlacement(**(entry.get("decode_placement") or {})))
-            problem = options_problem(ranks, options)
+            problem = options_problem(ranks[options["name"]], options) if options["name"] in ranks else None
             if problem:
                 raise ValueError(f"{app['name']}: {options['name']}: {problem}")
 
