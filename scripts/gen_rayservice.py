@@ -3,7 +3,7 @@ set to serve_config.yaml merged with cluster/serve_overrides.yaml, and every Ray
 container's image set to iris:<version> (the [project] version in pyproject.toml, the
 tag cluster/Dockerfile is built with). Also each variant in VARIANTS: the same, with a
 variant's own overrides merged on top of both (cluster/tensor_parallel/: a tensor-parallel VLM
-on 8-GPU pods).
+on 8-GPU pods; cluster/two_models/: a VLM and a text-only model behind one endpoint).
 
     python scripts/gen_rayservice.py           # rewrite cluster/rayservice.yaml and the variants
     python scripts/gen_rayservice.py --check   # exit 1 if a committed file differs
@@ -32,11 +32,10 @@ IMAGE_REPOSITORY = "iris"  # retag and change this (and regenerate) to pull from
 # Variants: output -> (overrides of the RayService without its Serve config, overrides of the Serve config),
 # each merged onto cluster/rayservice.base.yaml and onto serve_config.yaml + cluster/serve_overrides.yaml.
 TENSOR_PARALLEL = ROOT / "cluster/tensor_parallel"
+TWO_MODELS = ROOT / "cluster/two_models"
 VARIANTS = {
-    TENSOR_PARALLEL / "rayservice.yaml": (
-        TENSOR_PARALLEL / "cluster_overrides.yaml",
-        TENSOR_PARALLEL / "serve_overrides.yaml",
-    )
+    variant / "rayservice.yaml": (variant / "cluster_overrides.yaml", variant / "serve_overrides.yaml")
+    for variant in (TENSOR_PARALLEL, TWO_MODELS)
 }
 
 
@@ -77,7 +76,10 @@ VARIANT_HEADER = """\
 
 def merge(base: Any, override: Any) -> Any:
     """Dicts merge key by key (None deletes), lists of named items merge by name (a worker
-    group by its groupName), anything else is replaced."""
+    group by its groupName), anything else is replaced. In a named list an override item may say
+    `_delete: true` (the base item goes) or `_from: <a base item's name>` (a new item: a copy of that
+    one with the override merged on); any other name the base lacks is refused, so a typo cannot add
+    an item silently. New items follow the base's."""
     if isinstance(base, dict) and isinstance(override, dict):
         out = dict(base)
         for key, value in override.items():
@@ -88,12 +90,36 @@ def merge(base: Any, override: Any) -> Any:
         return out
     key = _named(base) and _named(override)
     if key:
-        by_name = {item[key]: item for item in override}
-        unknown = set(by_name) - {item[key] for item in base}
+        names = {item[key] for item in base}
+        by_name = {item[key]: item for item in override if "_from" not in item}
+        unknown = set(by_name) - names
         if unknown:  # a typo in the overrides would otherwise add a deployment silently
-            raise ValueError(f"overrides name items not in the base: {sorted(unknown)}")
-        return [merge(item, by_name[item[key]]) if item[key] in by_name else item for item in base]
+            raise ValueError(f"overrides name items not in the base: {sorted(unknown)} (a new item says `_from`)")
+        for name, item in by_name.items():
+            if item.get("_delete") and set(item) != {key, "_delete"}:
+                raise ValueError(f"override of {name!r}: `_delete: true` takes no other key")
+        out = [
+            merge(item, _plain(by_name[item[key]])) if item[key] in by_name else item
+            for item in base
+            if not by_name.get(item[key], {}).get("_delete")
+        ]
+        for item in override:
+            if "_from" not in item:
+                continue
+            source = next((i for i in base if i[key] == item["_from"]), None)
+            if source is None or item[key] in names:
+                raise ValueError(
+                    f"override item {item[key]!r}: `_from: {item['_from']}` must name a base item, and "
+                    f"{item[key]!r} must not be one"
+                )
+            out.append(merge(copy.deepcopy(source), _plain(item)))  # no part shared with the source
+        return out
     return copy.deepcopy(override)
+
+
+def _plain(item: dict) -> dict:
+    """An override item without the merge's own keys."""
+    return {k: v for k, v in item.items() if k not in ("_from", "_delete")}
 
 
 def _named(value: Any) -> str | None:
@@ -159,17 +185,29 @@ def render(output: Path = OUTPUT) -> str:
 
 def _check_decode_placement(config: dict) -> None:
     """LLMDecode's deployment options in the config override the builder's: refuse ones that cannot hold
-    its vLLM ranks (deployments/placement.py), rather than ship a replica that waits forever."""
+    its vLLM ranks (deployments/placement.py), rather than ship a replica that waits forever. With
+    `models`, each model's LLMDecode:<name> against that model's engine_args and decode_placement."""
     sys.path.insert(0, str(ROOT))
     from deployments.placement import DecodePlacement, options_problem, plan
 
     for app in config["applications"]:
         args = app.get("args") or {}
-        ranks = plan(args.get("engine_args") or {}, DecodePlacement(**(args.get("decode_placement") or {})))
+        ranks = {  # each decode deployment's ranks (plan refuses engine_args no placement can run)
+            f"LLMDecode:{deployment_suffix(entry)}" if "models" in args else "LLMDecode": plan(
+                entry.get("engine_args") or {}, DecodePlacement(**(entry.get("decode_placement") or {}))
+            )
+            for entry in args.get("models") or [args]
+        }
         for options in app.get("deployments", []):
-            problem = options_problem(ranks, options) if options["name"] == "LLMDecode" else None
+            problem = options_problem(ranks[options["name"]], options) if options["name"] in ranks else None
             if problem:
-                raise ValueError(f"{app['name']}: {problem}")
+                raise ValueError(f"{app['name']}: {options['name']}: {problem}")
+
+
+def deployment_suffix(entry: dict) -> str:
+    """What follows `<Stage>:` in the names of a `models` entry's deployments (Ray Serve LLM's rule):
+    its served_model_name, else its model, with "/" as "--" and "." as "_"."""
+    return (entry.get("served_model_name") or entry["model"]).replace("/", "--").replace(".", "_")
 
 
 def main() -> int:

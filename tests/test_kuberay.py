@@ -92,6 +92,22 @@ def test_generator_merges_by_name_and_rejects_unknown_names():
         merge(base | {"apps": [{"name": "LLMDecode"}]}, {"apps": [{"name": "LLMDecodee"}]})
 
 
+def test_generator_deletes_and_adds_named_items_only_when_told():
+    merge = _load_generator().merge
+    base = {"apps": [{"name": "In", "k": 1}, {"name": "X", "k": {"p": 1, "q": 2}, "r": 3}]}
+    out = merge(base, {"apps": [{"name": "X", "_delete": True}, {"name": "X:a", "_from": "X", "k": {"q": 9}}]})
+    assert out == {"apps": [{"name": "In", "k": 1}, {"name": "X:a", "k": {"p": 1, "q": 9}, "r": 3}]}
+    assert base["apps"][1] == {"name": "X", "k": {"p": 1, "q": 2}, "r": 3}  # the base is not changed
+    for override, expected in [
+        ({"name": "Xx", "_delete": True}, "Xx"),  # a misspelt deletion
+        ({"name": "X:a", "_from": "Xx"}, "Xx"),  # a new item from a misspelt one
+        ({"name": "X", "_from": "In"}, "'X'"),  # a "new" item that is already there
+        ({"name": "X", "_delete": True, "k": 2}, "_delete"),
+    ]:
+        with pytest.raises(ValueError, match=expected):
+            merge(base, {"apps": [override]})
+
+
 def test_manifest_matches_kuberay_crd(validator):
     manifest = _manifest()
     assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
@@ -262,18 +278,33 @@ def test_tensor_parallel_manifest_is_generated_and_matches_the_crd(validator):
     assert _groups(manifest)["gpu"]["GPU"] in (4, 8)
 
 
+def _decode_ranks(args: dict) -> dict:
+    """Each LLMDecode deployment's vLLM ranks: LLMDecode's, or with `models` each LLMDecode:<name>'s."""
+    from deployments.config import IrisConfig
+    from deployments.placement import DecodePlacement, plan
+
+    if "models" not in args:
+        return {"LLMDecode": IrisConfig.model_validate(args).decode_ranks()}
+    # TODO: IrisConfig.model_validate(args) with each model's decode_ranks() once deployments/config.py
+    # takes `models`; until then the same plan() from each entry's engine_args and decode_placement.
+    return {
+        f"LLMDecode:{_model_suffix(e)}": plan(
+            e.get("engine_args") or {}, DecodePlacement(**e.get("decode_placement", {}))
+        )
+        for e in args["models"]
+    }
+
+
 def _replica_units(manifest) -> list[tuple[str, list[dict[str, float]]]]:
     """Each replica at its deployment's max scale, as the bundles that must land on one pod: a decode
     replica's placement group under PACK (its ranks on one pod: tensor parallelism across pods would
     run its all-reduces over the network), any other replica's ray_actor_options."""
-    from deployments.config import IrisConfig
-
     (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
-    ranks = IrisConfig.model_validate(app["args"]).decode_ranks()
+    ranks = _decode_ranks(app["args"])
     units = []
     for d in app["deployments"]:
-        if d["name"] == "LLMDecode" and ranks.bundles is not None:
-            need = {r: sum(b.get(r, 0) for b in ranks.bundles) for r in ("CPU", "GPU")}
+        if d["name"] in ranks and ranks[d["name"]].bundles is not None:
+            need = {r: sum(b.get(r, 0) for b in ranks[d["name"]].bundles) for r in ("CPU", "GPU")}
         else:
             need = {"CPU": d["ray_actor_options"].get("num_cpus", 1), "GPU": d["ray_actor_options"].get("num_gpus", 0)}
         units += [(d["name"], need)] * d["autoscaling_config"]["max_replicas"]
@@ -346,6 +377,173 @@ def test_broken_placement_is_caught():
     gpu = next(g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu")
     del gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert any("LLMDecode" in p for p in _placement_problems(manifest))
+
+
+# ---- the two-model variant (cluster/two_models/): a VLM and a text-only model behind one endpoint ----
+
+TWO_MODELS = ROOT / "cluster/two_models/rayservice.yaml"
+# Args of one model: with `models` they are set in its entry, never at the top level of the args.
+PER_MODEL_ARGS = {
+    "model",
+    "served_model_name",
+    "engine_args",
+    "dtype",
+    "max_images_per_prompt",
+    "max_videos_per_prompt",
+    "encoder_batch_size",
+    "encoder_batch_wait_s",
+    "encoder_batch_max_tokens",
+    "stream_interval_s",
+    "encoder_cpu_threads",
+    "preprocess_cpu_threads",
+    "decoder_features",
+    "decode_placement",
+    "max_tokens_limit",
+    "max_text_bytes_per_token",
+}
+# The variant's text-only model, hard-coded here (the app tells one from its checkpoint's config):
+# it gets an LLMDecode of its own and no Preprocess or VisionEncoder.
+TEXT_ONLY = {"Qwen/Qwen2.5-7B-Instruct"}
+
+
+def _two_models_manifest() -> dict:
+    return yaml.safe_load(TWO_MODELS.read_text())
+
+
+def _app(manifest) -> dict:
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+def _model_suffix(entry: dict) -> str:
+    """Ray Serve LLM's rule for a model's deployment names, <Stage>:<this>: its served_model_name (else
+    its model) with "/" as "--" and "." as "_"."""
+    return (entry.get("served_model_name") or entry["model"]).replace("/", "--").replace(".", "_")
+
+
+def _deployment_name_problems(app: dict) -> list[str]:
+    """Deployments the config sizes that the app does not build for its `models`, and ones it builds
+    that the config leaves unsized (they would run on the code's defaults)."""
+    built = {"Ingress"}
+    for entry in app["args"]["models"]:
+        stages = ("LLMDecode",) if entry["model"] in TEXT_ONLY else ("Preprocess", "VisionEncoder", "LLMDecode")
+        built |= {f"{stage}:{_model_suffix(entry)}" for stage in stages}
+    named = [d["name"] for d in app["deployments"]]
+    return [f"{n}: not a deployment of the app's models {sorted(built)}" for n in named if n not in built] + [
+        f"{n}: built by the app, not sized in the config" for n in sorted(built - set(named))
+    ]
+
+
+def test_two_model_manifest_is_generated_and_matches_the_crd(validator):
+    from ray.serve.schema import ServeDeploySchema
+
+    assert TWO_MODELS.read_text() == _load_generator().render(TWO_MODELS), (
+        "cluster/two_models/rayservice.yaml is stale: run python scripts/gen_rayservice.py"
+    )
+    manifest = _two_models_manifest()
+    assert _errors(validator, manifest) == [] and _ignored_fields(manifest) == []
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    validate = getattr(ServeDeploySchema, "model_validate", None) or ServeDeploySchema.parse_obj
+    (app,) = validate(config).applications  # a Serve config Ray takes, deployment names included
+    assert app.import_path == "deployments.app:build_app"
+    assert _groups(manifest)["gpu"]["GPU"] == 8
+
+
+def test_two_model_args_hold_the_models_and_no_top_level_per_model_arg():
+    args = _app(_two_models_manifest())["args"]
+    assert [e["model"] for e in args["models"]] == ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"]
+    assert sorted(PER_MODEL_ARGS & set(args)) == []
+    assert all(set(e) <= PER_MODEL_ARGS for e in args["models"]), args["models"]
+    assert len({_model_suffix(e) for e in args["models"]}) == 2  # two names clients tell apart
+    assert args["cache"]["redis_url"] == "redis://:${IRIS_REDIS_PASSWORD}@iris-redis:6379/0"  # shared
+    # TODO: from deployments.config import IrisConfig; IrisConfig.model_validate(args) once
+    # deployments/config.py takes `models` (it refuses the key on this branch).
+
+
+def test_two_model_deployments_are_the_ones_the_app_builds():
+    app = _app(_two_models_manifest())
+    assert _deployment_name_problems(app) == []
+    assert [d["name"] for d in app["deployments"]] == [
+        "Ingress",
+        "Preprocess:qwen2_5-vl-7b",
+        "VisionEncoder:qwen2_5-vl-7b",
+        "LLMDecode:qwen2_5-vl-7b",
+        "LLMDecode:qwen2_5-7b",
+    ]
+    for d in app["deployments"]:  # each sized and scaled on its own
+        assert d["ray_actor_options"] and d["max_ongoing_requests"] and d["autoscaling_config"], d["name"]
+    decodes = [d for d in app["deployments"] if d["name"].startswith("LLMDecode:")]
+    assert all(d["request_router_config"] and d["health_check_period_s"] for d in decodes)  # LLMDecode's own
+
+
+def _drop_model(app, model):
+    app["args"]["models"] = [e for e in app["args"]["models"] if e["model"] != model]
+
+
+def _rename_deployment(app, old, new):
+    (d,) = [d for d in app["deployments"] if d["name"] == old]
+    d["name"] = new
+
+
+@pytest.mark.parametrize(
+    "break_it, expected",
+    [
+        # a deployment for a model that is not listed
+        (lambda app: _drop_model(app, "Qwen/Qwen2.5-7B-Instruct"), "LLMDecode:qwen2_5-7b: not a deployment"),
+        # the name from `model` where served_model_name names it, or without the rule's "_"
+        (
+            lambda app: _rename_deployment(app, "LLMDecode:qwen2_5-7b", "LLMDecode:Qwen--Qwen2_5-7B-Instruct"),
+            "LLMDecode:Qwen--Qwen2_5-7B-Instruct: not a deployment",
+        ),
+        (
+            lambda app: _rename_deployment(app, "VisionEncoder:qwen2_5-vl-7b", "VisionEncoder:qwen2.5-vl-7b"),
+            "VisionEncoder:qwen2.5-vl-7b: not a deployment",
+        ),
+        # a text-only model has no Preprocess; the one-model names are gone
+        (
+            lambda app: app["deployments"].append({"name": "Preprocess:qwen2_5-7b"}),
+            "Preprocess:qwen2_5-7b: not a deployment",
+        ),
+        (lambda app: _rename_deployment(app, "LLMDecode:qwen2_5-vl-7b", "LLMDecode"), "LLMDecode: not a deployment"),
+        # a stage of a listed model left to the code's defaults
+        (
+            lambda app: app["deployments"].pop(2),
+            "VisionEncoder:qwen2_5-vl-7b: built by the app, not sized",
+        ),
+    ],
+)
+def test_broken_two_model_variant_is_caught(break_it, expected):
+    app = _app(_two_models_manifest())
+    break_it(app)
+    problems = _deployment_name_problems(app)
+    assert any(expected in p for p in problems), problems
+
+
+def test_two_model_gpu_deployments_fit_gpu_pods_at_max_scale(validator):
+    manifest = _two_models_manifest()
+    needs = _deployment_needs(manifest)
+    assert needs["LLMDecode:qwen2_5-vl-7b"]["GPU"] == needs["LLMDecode:qwen2_5-7b"]["GPU"] == 1
+    assert 0 < needs["VisionEncoder:qwen2_5-vl-7b"]["GPU"] < 1  # a fraction of a GPU
+    assert needs["Preprocess:qwen2_5-vl-7b"]["GPU"] == needs["Ingress"]["GPU"] == 0
+    assert _placement_problems(manifest) == []
+    assert _pack_problems(manifest) == []
+    assert _shm_problems(manifest, "LLMDecode:qwen2_5-vl-7b") == _shm_problems(manifest, "LLMDecode:qwen2_5-7b") == []
+
+
+def test_two_model_replicas_that_do_not_fit_are_caught():
+    manifest = copy.deepcopy(_two_models_manifest())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (decode,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "LLMDecode:qwen2_5-7b"]
+    decode["autoscaling_config"]["max_replicas"] += 1  # 15 decode GPUs and 8 quarter-GPU encoders: 17 of 16
+    manifest["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    assert any("fits no pod left" in p for p in _pack_problems(manifest))
+
+
+def test_generator_checks_each_models_decode_placement():
+    config = _load_generator().serve_config(ROOT / "cluster/two_models/serve_overrides.yaml")
+    config["applications"][0]["args"]["models"][1]["engine_args"]["tensor_parallel_size"] = 2
+    with pytest.raises(ValueError, match="LLMDecode:qwen2_5-7b: .*num_gpus 1 with 2 ranks"):
+        _load_generator()._check_decode_placement(config)
 
 
 # ---- Redis: eviction and password ----
@@ -1410,10 +1608,10 @@ def test_this_environment_is_the_lock():
 # ---- /dev/shm of the pods that run LLMDecode ----
 
 
-def _shm_problems(manifest) -> list[str]:
-    """Why a group LLMDecode may run in lacks a memory-backed, bounded /dev/shm on its Ray container."""
+def _shm_problems(manifest, decode: str = "LLMDecode") -> list[str]:
+    """Why a group LLMDecode (or `decode`) may run in lacks a memory-backed, bounded /dev/shm on its Ray container."""
     groups = _groups(manifest)
-    need = _deployment_needs(manifest)["LLMDecode"]
+    need = _deployment_needs(manifest)[decode]
     cluster = manifest["spec"]["rayClusterConfig"]
     specs = {g["groupName"]: g for g in cluster["workerGroupSpecs"]} | {"head": cluster["headGroupSpec"]}
     problems = []
@@ -1427,7 +1625,7 @@ def _shm_problems(manifest) -> list[str]:
         empty_dir = volume.get("emptyDir", {})
         if empty_dir.get("medium") != "Memory" or not empty_dir.get("sizeLimit"):
             problems.append(
-                f"group {name} runs LLMDecode without an emptyDir of medium Memory with a sizeLimit "
+                f"group {name} runs {decode} without an emptyDir of medium Memory with a sizeLimit "
                 f"at /dev/shm: {volume or mounts}"
             )
     return problems
