@@ -46,6 +46,13 @@ MODEL_FIELDS = (
 )
 
 
+def deployment_suffix(served_name: str) -> str:
+    """What a model's deployment names end with in an app of several (`<Stage>:<this>`): its served
+    name as Ray Serve LLM writes it into its own ("/" -> "--", "." -> "_"), and no character Serve
+    refuses ("#")."""
+    return re.sub(r"[^\w:@+=-]", "_", served_name.replace("/", "--"))
+
+
 class IrisConfig(BaseModel):
     # Errors name the field and the rule, not the value: a value may hold a secret (a Redis password
     # in a URL, a key where auth wants a file name).
@@ -277,9 +284,7 @@ class IrisConfig(BaseModel):
 
     @property
     def deployment_suffix(self) -> str:
-        """What a model's deployment names end with in an app of several: its served name as Ray Serve
-        LLM writes it into its own ("/" -> "--", "." -> "_"), and no character Serve refuses ("#")."""
-        return re.sub(r"[^\w:@+=-]", "_", self.model_name.replace("/", "--"))
+        return deployment_suffix(self.model_name)
 
     @model_validator(mode="after")
     def _check_placement(self) -> IrisConfig:

@@ -188,12 +188,15 @@ def _check_decode_placement(config: dict) -> None:
     its vLLM ranks (deployments/placement.py), rather than ship a replica that waits forever. With
     `models`, each model's LLMDecode:<name> against that model's engine_args and decode_placement."""
     sys.path.insert(0, str(ROOT))
+    from deployments.config import deployment_suffix
     from deployments.placement import DecodePlacement, options_problem, plan
 
     for app in config["applications"]:
         args = app.get("args") or {}
         ranks = {  # each decode deployment's ranks (plan refuses engine_args no placement can run)
-            f"LLMDecode:{deployment_suffix(entry)}" if "models" in args else "LLMDecode": plan(
+            f"LLMDecode:{deployment_suffix(entry.get('served_model_name') or entry['model'])}"
+            if "models" in args
+            else "LLMDecode": plan(
                 entry.get("engine_args") or {}, DecodePlacement(**(entry.get("decode_placement") or {}))
             )
             for entry in args.get("models") or [args]
@@ -202,12 +205,6 @@ def _check_decode_placement(config: dict) -> None:
             problem = options_problem(ranks[options["name"]], options) if options["name"] in ranks else None
             if problem:
                 raise ValueError(f"{app['name']}: {options['name']}: {problem}")
-
-
-def deployment_suffix(entry: dict) -> str:
-    """What follows `<Stage>:` in the names of a `models` entry's deployments (Ray Serve LLM's rule):
-    its served_model_name, else its model, with "/" as "--" and "." as "_"."""
-    return (entry.get("served_model_name") or entry["model"]).replace("/", "--").replace(".", "_")
 
 
 def main() -> int:

@@ -280,19 +280,11 @@ def test_tensor_parallel_manifest_is_generated_and_matches_the_crd(validator):
 
 def _decode_ranks(args: dict) -> dict:
     """Each LLMDecode deployment's vLLM ranks: LLMDecode's, or with `models` each LLMDecode:<name>'s."""
+    from deployments.app import deployment_name
     from deployments.config import IrisConfig
-    from deployments.placement import DecodePlacement, plan
 
-    if "models" not in args:
-        return {"LLMDecode": IrisConfig.model_validate(args).decode_ranks()}
-    # TODO: IrisConfig.model_validate(args) with each model's decode_ranks() once deployments/config.py
-    # takes `models`; until then the same plan() from each entry's engine_args and decode_placement.
-    return {
-        f"LLMDecode:{_model_suffix(e)}": plan(
-            e.get("engine_args") or {}, DecodePlacement(**e.get("decode_placement", {}))
-        )
-        for e in args["models"]
-    }
+    config = IrisConfig.model_validate(args)
+    return {deployment_name("LLMDecode", config, m): m.decode_ranks() for m in config.model_configs()}
 
 
 def _replica_units(manifest) -> list[tuple[str, list[dict[str, float]]]]:
@@ -416,9 +408,10 @@ def _app(manifest) -> dict:
 
 
 def _model_suffix(entry: dict) -> str:
-    """Ray Serve LLM's rule for a model's deployment names, <Stage>:<this>: its served_model_name (else
-    its model) with "/" as "--" and "." as "_"."""
-    return (entry.get("served_model_name") or entry["model"]).replace("/", "--").replace(".", "_")
+    """The app's rule for a model's deployment names, <Stage>:<this> (Ray Serve LLM's)."""
+    from deployments.config import deployment_suffix
+
+    return deployment_suffix(entry.get("served_model_name") or entry["model"])
 
 
 def _deployment_name_problems(app: dict) -> list[str]:
@@ -456,8 +449,10 @@ def test_two_model_args_hold_the_models_and_no_top_level_per_model_arg():
     assert all(set(e) <= PER_MODEL_ARGS for e in args["models"]), args["models"]
     assert len({_model_suffix(e) for e in args["models"]}) == 2  # two names clients tell apart
     assert args["cache"]["redis_url"] == "redis://:${IRIS_REDIS_PASSWORD}@iris-redis:6379/0"  # shared
-    # TODO: from deployments.config import IrisConfig; IrisConfig.model_validate(args) once
-    # deployments/config.py takes `models` (it refuses the key on this branch).
+    from deployments.config import IrisConfig
+
+    config = IrisConfig.model_validate(args)  # the app takes them, each entry checked by vLLM's parser
+    assert [c.model_name for c in config.model_configs()] == ["qwen2.5-vl-7b", "qwen2.5-7b"]
 
 
 def test_two_model_deployments_are_the_ones_the_app_builds():

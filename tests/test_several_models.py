@@ -110,7 +110,12 @@ def test_caches_are_apart_by_model(models_app):
 def test_an_unknown_model_is_vllms_404(models_app):
     r = chat(models_app, "gpt-4o", status=404)
     assert r.json() == {
-        "error": {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+        "error": {
+            "message": "The model `gpt-4o` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
     }
 
 
@@ -142,7 +147,9 @@ def test_tenant_limits_of_one_model_bind_it_alone(models_app):
             "temperature": 0,
             "stream": True,
         }
-        return client.send(client.build_request("POST", f"{models_app.url}/v1/chat/completions", json=body), stream=True)
+        return client.send(
+            client.build_request("POST", f"{models_app.url}/v1/chat/completions", json=body), stream=True
+        )
 
     with httpx.Client(timeout=300) as client:
         for model, second_status in (("qwen", 429), ("llava", 200)):
