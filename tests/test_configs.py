@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deployments.app import deployment_name
 from deployments.config import IrisConfig
 from deployments.placement import options_problem
 
@@ -15,7 +16,11 @@ DEPLOYMENTS = {"Ingress", "Preprocess", "VisionEncoder", "LLMDecode"}
 
 def _serve_configs() -> dict[str, dict]:
     configs = {"serve_config.yaml": yaml.safe_load((ROOT / "serve_config.yaml").read_text())}
-    for name in ("cluster/rayservice.yaml", "cluster/tensor_parallel/rayservice.yaml"):
+    for name in (
+        "cluster/rayservice.yaml",
+        "cluster/tensor_parallel/rayservice.yaml",
+        "cluster/two_models/rayservice.yaml",  # `models:`, deployments named <Stage>:<model>
+    ):
         configs[name] = yaml.safe_load(yaml.safe_load((ROOT / name).read_text())["spec"]["serveConfigV2"])
     return configs
 
@@ -33,12 +38,13 @@ def test_shipped_serve_configs_are_valid(name):
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
     iris = IrisConfig.model_validate(app.args)
-    assert {d.name for d in app.deployments} == DEPLOYMENTS
+    assert {d.name.partition(":")[0] for d in app.deployments} == DEPLOYMENTS
     for d in app.deployments:  # each stage sized and scaled on its own
         assert d.ray_actor_options and d.max_ongoing_requests and d.autoscaling_config, d.name
     # LLMDecode's options in the file replace the builder's: they hold its vLLM ranks (deployments/placement.py).
-    (decode,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "LLMDecode"]
-    assert options_problem(iris.decode_ranks(), decode) is None
+    options = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    for model in iris.model_configs():
+        assert options_problem(model.decode_ranks(), options[deployment_name("LLMDecode", iris, model)]) is None
 
 
 def test_default_serve_config_fits_two_cpus():
@@ -61,6 +67,22 @@ def test_default_serve_config_fits_two_cpus():
         ({"engine_args": {"dtype": "float16"}}, "dtype"),
         ({"media": {"max_image_bytes": "lots"}}, "media.max_image_bytes"),
         ({"modle": "typo"}, "modle"),
+        # Several models: each entry holds one model's settings only, and names tell them apart.
+        ({"models": [{"model": "a", "cache": {"ttl_s": 1}}]}, "models[0]: ['cache'] are the app's"),
+        ({"models": [{"model": "a"}, {"model": "b", "max_images_per_prompt": 0}]}, "models[1]: max_images_per_prompt"),
+        ({"models": [{"model": "a"}, {"model": "b", "engine_args": {"dtype": "half"}}]}, "models[1]: engine_args"),
+        ({"model": "a", "models": [{"model": "b"}]}, "['model'] belong to a model"),
+        ({"models": [{"model": "a"}, {"model": "b", "served_model_name": "a"}]}, "two models answer to 'a'"),
+        (
+            {
+                "models": [
+                    {"model": "a", "engine_args": {"enable_lora": True, "lora_modules": ["b=/x"]}},
+                    {"model": "b"},
+                ]
+            },
+            "two models answer to 'b'",
+        ),
+        ({"models": [{"model": "org/m.1"}, {"model": "org--m_1"}]}, "would share the deployment names"),
     ],
 )
 def test_bad_args_name_the_field(args, field):
@@ -80,12 +102,12 @@ def test_import_paths_and_routers_resolve(name):
     (app,) = _serve_configs()[name]["applications"]
     assert callable(import_attr(app["import_path"]))
     routers = {d["name"]: d["request_router_config"] for d in app["deployments"] if "request_router_config" in d}
-    assert set(routers) == {"LLMDecode"}
-    router = routers["LLMDecode"]
-    cls = import_attr(router["request_router_class"])
-    assert issubclass(cls, RequestRouter)
-    # The kwargs are accepted as Serve will pass them (initialize_state rejects unknown ones).
-    cls.initialize_state(object.__new__(cls), **router.get("request_router_kwargs", {}))
+    assert routers and {name.partition(":")[0] for name in routers} == {"LLMDecode"}
+    for router in routers.values():
+        cls = import_attr(router["request_router_class"])
+        assert issubclass(cls, RequestRouter)
+        # The kwargs are accepted as Serve will pass them (initialize_state rejects unknown ones).
+        cls.initialize_state(object.__new__(cls), **router.get("request_router_kwargs", {}))
 
 
 @pytest.mark.parametrize("name", list(_serve_configs()))
