@@ -27,6 +27,10 @@ EXPERIMENTS = {
         "bench.tenant_fairness",
         "two tenants, one flooding with large images: fair sharing against first come, first served",
     ),
+    "two-models": (
+        "bench.two_models",
+        "two models behind one endpoint: the text model's TTFT while the VLM gets a burst of new images",
+    ),
     "ec-connector": (
         "bench.ec_connector_cost",
         "one image's cost on a decode replica through Iris's EC connector, "

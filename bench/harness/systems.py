@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,13 +395,15 @@ def start(
     status_log: Path | None = None,
     app_args: dict | None = None,
     ray_event_stats_s: float = 0.0,
+    edit_config: Callable[[dict], None] | None = None,
 ) -> RunningSystem:
     """Start one system and wait until it serves. For Iris, `deployments` overrides settings per
     deployment and `app_args` application args (iris_config), `env` is added to the runner's
     environment (so to its Ray cluster's), and `status_log` makes the runner log replica counts per
     deployment (serve_runner --status-log).
     With `ray_event_stats_s`, every Ray process of the system dumps its event stats (handler counts)
-    to its log that often (bench/harness/host_work.py reads them); 0 leaves Ray's default (a minute)."""
+    to its log that often (bench/harness/host_work.py reads them); 0 leaves Ray's default (a minute).
+    `edit_config`: changes Iris's Serve config in place before it is deployed (bench/two_models.py)."""
     system_name, name = name, base_system(name)
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
@@ -425,6 +428,8 @@ def start(
             app_args=app_args,
         )
         config["applications"][0]["runtime_env"]["env_vars"].update(env or {})
+        if edit_config is not None:
+            edit_config(config)
     else:
         config = rayllm_config(engine, replicas, port, affinity=name == "rayllm-affinity")
     config_file = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".yaml", dir=log_dir)[1])
