@@ -9,6 +9,9 @@ consolidated.safetensors, which vLLM and mistral_common load). Weights are seede
 give the same checkpoint. One module per family with its `build(spec, out)`; the
 sizes of all (size -> `Spec`) are in BUILDERS below.
 
+`--family llama` is text-only (TEXT_BUILDERS: LLaVA's Llama alone, `builtin:tiny-llama`), for
+apps that serve a VLM beside a text model.
+
 - `tiny`: hidden size 128, 2 layers, small images; for tests.
 - `bench`: a realistically sized vision tower in front of a small language
   model, so vision work dominates time as in real deployments.
