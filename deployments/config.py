@@ -17,6 +17,7 @@ from deployments.placement import DecodePlacement, Placement, plan
 from deployments.tracing import TracingConfig
 from deployments.vllm_args import adapter_names, check_engine_args, model_settings
 from pipeline.media.limits import MediaLimits
+from pipeline.model.engine_settings import takes_media
 from pipeline.model.source import builtin_engine_args, resolve_model
 from pipeline.model.vision_model import VisionModel
 from pipeline.tenancy.auth import AuthConfig
@@ -299,11 +300,10 @@ class IrisConfig(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def takes_media(self) -> bool:  # TEMP until the text-model branch lands
-        from pipeline.model.engine_settings import stage_engine_args
-
-        args = stage_engine_args(resolve_model(self.model), model_settings(self.engine_args), "auto", {})
-        return args.create_model_config().is_multimodal_model
+    def takes_media(self) -> bool:
+        """Whether the model takes images or videos at all (vLLM's config says so); False for a text-only
+        model, which LLMDecode serves alone (no Preprocess, no VisionEncoder)."""
+        return takes_media(resolve_model(self.model), model_settings(self.engine_args))
 
     def vision_model(self) -> VisionModel:
         """vLLM's image and video path for this model, built alike by every stage so that they agree

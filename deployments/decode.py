@@ -44,6 +44,7 @@ from pipeline.model.ec_connector import connector_counts, ec_transfer_config
 from pipeline.model.ec_staging import FeatureStaging
 from pipeline.model.embedding_form import CONNECTOR
 from pipeline.model.engine_settings import model_differences
+from pipeline.model.source import resolve_model
 from pipeline.stage_io import DecodeCall, DecodeDone, DecodeOpened, EncodedMedia
 from pipeline.tenancy.tenant import cache_salt
 
@@ -66,12 +67,12 @@ VLLM_ROUTES = {
 
 def engine_flags(config: IrisConfig, vision, connector: dict) -> dict:
     """LLMDecode's `vllm serve` flags: the user's engine_args (whose model part every stage loads),
-    Iris's defaults and requirements, and what Iris sets itself."""
-    iris_flags = {
-        "served_model_name": [config.model_name],
-        "dtype": str(vision.dtype).removeprefix("torch."),
-        "limit_mm_per_prompt": {m: vision.limits[m] for m in vision.modalities},
-    }
+    Iris's defaults and requirements, and what Iris sets itself. `vision` None: a text-only model
+    (no media limits; config.dtype, "auto" resolved by vLLM)."""
+    iris_flags = {"served_model_name": [config.model_name], "dtype": config.dtype}
+    if vision is not None:
+        iris_flags["dtype"] = str(vision.dtype).removeprefix("torch.")
+        iris_flags["limit_mm_per_prompt"] = {m: vision.limits[m] for m in vision.modalities}
     return {
         **DEFAULT_FLAGS,
         **tracing.vllm_engine_args(config.tracing, config.engine_args),
@@ -101,22 +102,33 @@ class LLMDecode:
         os.environ["VLLM_MEDIA_CONNECTOR"] = keyed_media.CONNECTOR_NAME  # media parts resolve to Iris's items
         tracing.setup(config.tracing, "decode")
         self.config = config
-        # vLLM's view of the checkpoint's images: the embedding form, the feature checks, and
-        # the encoder's fingerprint (computed before the engine takes the device's memory).
-        self.vision = config.vision_model()
-        # Keys of other weights (a rolling update) are refused.
-        self.fingerprint = self.vision.expected_fingerprint()
-        # Modalities vLLM takes no embeddings for: the engine's EC connector reads their features
-        # from a staging folder of this replica's.
-        connector_widths = {m: form.width for m, form in self.vision.forms.items() if form.delivery == CONNECTOR}
-        self.staging = FeatureStaging() if connector_widths else None
+        # Where the model takes images or videos (vLLM's config says so: the one place that decides),
+        # vLLM's view of them: the embedding form, the feature checks, and the encoder's fingerprint
+        # (computed before the engine takes the device's memory). A text-only model is served here
+        # alone: no features, no staging, no connector; a call with media keys is refused (`_generate`).
+        self.vision = config.vision_model() if config.takes_media() else None
+        self.fingerprint, self.staging, connector_widths = None, None, {}
+        checkpoint, feature_problem = resolve_model(config.model), _takes_no_features
+        if self.vision is not None:
+            # Keys of other weights (a rolling update) are refused.
+            self.fingerprint = self.vision.expected_fingerprint()
+            # Modalities vLLM takes no embeddings for: the engine's EC connector reads their features
+            # from a staging folder of this replica's.
+            forms = self.vision.forms.items()
+            connector_widths = {m: form.width for m, form in forms if form.delivery == CONNECTOR}
+            self.staging = FeatureStaging() if connector_widths else None
+            checkpoint, feature_problem = self.vision.checkpoint, self.vision.feature_problem
         connector = (
             {"ec_transfer_config": ec_transfer_config(self.staging.dir, connector_widths)} if self.staging else {}
         )
-        self.args = serve_args(self.vision.checkpoint, engine_flags(config, self.vision, connector))
+        self.args = serve_args(checkpoint, engine_flags(config, self.vision, connector))
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
         # The engine loads what the other stages load (one set of model settings: engine_settings.py).
-        differences = model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
+        differences = (
+            model_differences(self.vision.vllm_config.model_config, engine_args.create_model_config())
+            if self.vision is not None
+            else []
+        )
         if differences:
             raise RuntimeError(
                 "LLMDecode's engine would load another model than Preprocess and the "
@@ -134,7 +146,7 @@ class LLMDecode:
         self._cap_max_tokens(config.max_tokens_limit)
         # Values read from Redis must carry the fingerprint of their key and look like this
         # model's features: a forged or stale entry is a miss, never an input.
-        self.cache = FeatureCache(config.cache, check=ValueCheck(self.vision.feature_problem))
+        self.cache = FeatureCache(config.cache, check=ValueCheck(feature_problem))
         self.cache_metrics = CacheMetrics(self.cache)
         self.prefix_hit_tokens = metrics.Counter(
             "iris_vllm_prefix_cache_hit_tokens", description="Prompt tokens served from vLLM's prefix cache"
@@ -250,6 +262,9 @@ class LLMDecode:
 
     async def _generate(self, call: DecodeCall, trace: dict[str, str] | None) -> AsyncIterator:
         """`trace`: the decode span's context, the parent of this call's spans and vLLM's."""
+        if call.media_keys and self.vision is None:  # the ingress never sends one: a text-only model
+            yield DecodeOpened(error=_no_media(self.config.model_name, call.modalities))
+            return
         if any(fingerprint_of(k) != self.fingerprint for k in call.media_keys):
             yield DecodeOpened(error=model_changed())  # keyed by an ingress that has not seen the update yet
             return
@@ -469,6 +484,20 @@ class LLMDecode:
             engine.shutdown()
         if getattr(self, "staging", None) is not None:
             self.staging.close()
+
+
+def _takes_no_features(features) -> str:
+    """A text-only model's cache check: no value read from the cache is ever its input."""
+    return "this model takes no images or videos"
+
+
+def _no_media(model: str, modalities: list[str]) -> IrisError:
+    kinds = " and ".join(sorted({f"{m}s" for m in modalities})) or "media"
+    return IrisError(
+        f"The model {model!r} is text-only: it takes no images or videos, and this request has {kinds}",
+        param="messages",
+        code="media_not_supported",
+    )
 
 
 async def _responses_sse(events) -> AsyncIterator[str]:

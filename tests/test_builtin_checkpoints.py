@@ -251,3 +251,53 @@ def test_padded_vocabulary_decodes_every_token_and_text_encodes_to_bytes_only(tm
     model = AutoModelForImageTextToText.from_pretrained(folder)
     assert model.dtype == torch.bfloat16 and model.config.text_config.intermediate_size == 200
     assert model.get_output_embeddings().weight.shape[0] == 2000
+
+
+def test_text_only_llama(tmp_path, tiny_checkpoint, monkeypatch):
+    """builtin:tiny-llama: LLaVA's language model and tokenizer alone (LlamaForCausalLM), for apps that
+    serve a VLM beside a text model. Built like the others (seeded, byte-identical when built twice, the
+    CLI builds it), no VLM family (the family lists the VLM tests iterate leave it out), and vLLM's
+    config says it takes no images or videos."""
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm.engine.arg_utils import EngineArgs
+
+    import pipeline.model.builtin as builtin
+    from pipeline.model.engine_settings import takes_media
+    from pipeline.model.source import builtin_engine_args, builtin_names
+
+    folder = Path(tiny_checkpoint("llama"))
+    assert "builtin:tiny-llama" in builtin_names() and builtin_engine_args("builtin:tiny-llama") == {}
+    assert "llama" not in BUILDERS and "llama" not in FAMILIES
+    assert "llama" not in builtin.APP_TESTED_FAMILIES + builtin.ENGINE_TESTED_FAMILIES
+    monkeypatch.setattr(sys, "argv", ["builtin", "--family", "llama", "--out", str(tmp_path / "again")])
+    builtin.main()
+    assert _digest(tmp_path / "again") == _digest(folder)
+    assert not (folder / "preprocessor_config.json").exists() and not (folder / "processor_config.json").exists()
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "vision_config" not in config
+    llava = json.loads((Path(tiny_checkpoint("llava")) / "config.json").read_text())["text_config"]
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert config[name] == llava[name], name
+    assert (folder / "generation_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_checkpoint("llava")).get_vocab()
+    plain = [{"role": "user", "content": "What is it?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What "}, {"type": "text", "text": "is it?"}]}]
+    prompt = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert prompt == "USER: What is it?\nASSISTANT:"
+    assert tokenizer.apply_chat_template(parts, add_generation_prompt=True, tokenize=False) == prompt
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == tokenizer.chat_template
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 4
+
+    assert not EngineArgs(model=str(folder)).create_model_config().is_multimodal_model
+    assert takes_media(str(folder), {}) is False
+    assert takes_media(tiny_checkpoint("llava"), {}) is True

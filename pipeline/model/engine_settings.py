@@ -158,6 +158,19 @@ def stage_engine_args(checkpoint: str, settings: Mapping[str, Any], dtype: str, 
     return EngineArgs(model=checkpoint, **{**dict(settings), **STAGE_OWN}, dtype=dtype, limit_mm_per_prompt=limits)
 
 
+def takes_media(checkpoint: str, settings: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint takes images or videos at all, as vLLM's own config says
+    (`ModelConfig.is_multimodal_model`), built as the stages build it (`stage_engine_args`: the model
+    settings, the checkpoint's dtype): False for a text-only model, which only LLMDecode serves."""
+    try:
+        return stage_engine_args(checkpoint, settings, "auto", {}).create_model_config().is_multimodal_model
+    except Exception as err:
+        refusal = load_refusal(checkpoint, settings, err)
+        if refusal is None:
+            raise
+        raise refusal from err
+
+
 def load_refusal(checkpoint: str, settings: Mapping[str, Any], err: Exception) -> Exception | None:
     """What to tell the user when vLLM refuses to load the checkpoint with these settings, where
     Iris can say more than vLLM's error; None to pass vLLM's on."""

@@ -29,12 +29,15 @@ def builtin_names() -> list[str]:
 def builtin_engine_args(model: str) -> dict:
     """The engine_args a built-in's checkpoints need, as any checkpoint of its format does (e.g.
     trust_remote_code for one that ships its code); {} for other models."""
-    from pipeline.model.builtin import BUILDERS
+    from pipeline.model.builtin import find_builtin
 
     if not model.startswith(BUILTIN_PREFIX):
         return {}
     family = model[len(BUILTIN_PREFIX) :].partition("-")[2].replace("-", "_")
-    return dict(BUILDERS[family].engine_args) if family in BUILDERS else {}
+    try:
+        return dict(find_builtin(family).engine_args)
+    except KeyError:
+        return {}
 
 
 def checkpoint_dir() -> Path:

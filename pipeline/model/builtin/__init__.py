@@ -9,6 +9,9 @@ consolidated.safetensors, which vLLM and mistral_common load). Weights are seede
 give the same checkpoint. One module per family with its `build(spec, out)`; the
 sizes of all (size -> `Spec`) are in BUILDERS below.
 
+`--family llama` is text-only (TEXT_BUILDERS: LLaVA's Llama alone, `builtin:tiny-llama`), for
+apps that serve a VLM beside a text model.
+
 - `tiny`: hidden size 128, 2 layers, small images; for tests.
 - `bench`: a realistically sized vision tower in front of a small language
   model, so vision work dominates time as in real deployments.
@@ -42,6 +45,7 @@ from pipeline.model.builtin import (
     idefics3,
     internvl,
     internvl_chat,
+    llama,
     llama4,
     llava,
     llava_next,
@@ -71,6 +75,7 @@ class Builtin:
     # Where its fidelity test runs: "app", a whole Iris app against `vllm serve` on the same
     # checkpoint (tests/test_families.py), or "engine", Iris's image path against vLLM's own
     # engine, one process per family (tests/test_family_engines.py: what CI has time for).
+    # ("decode" for a text-only built-in: LLMDecode against vLLM's engine, tests/test_text_model.py.)
     tested: str = "app"
     # engine_args its checkpoints need, as any checkpoint of their format does (trust_remote_code for
     # checkpoint code): what the tests and the family table serve it with.
@@ -289,6 +294,16 @@ BUILDERS = {
         engine_args={"trust_remote_code": True},
     ),
 }
+# Text-only built-ins, for apps that serve a VLM beside a text model: built and resolved like the
+# others (`builtin:tiny-llama`), but no VLM family (FAMILIES, the family table and tests).
+TEXT_BUILDERS = {
+    "llama": Builtin(
+        "Llama (text only)",
+        {"tiny": BUILDERS["llava"].specs["tiny"]},  # LLaVA's language model and tokenizer alone
+        llama.build,
+        tested="decode",  # tests/test_text_model.py: LLMDecode against vLLM's engine
+    ),
+}
 FAMILIES = tuple(BUILDERS)
 APP_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tested == "app")
 ENGINE_TESTED_FAMILIES = tuple(family for family, b in BUILDERS.items() if b.tested == "engine")
@@ -300,9 +315,14 @@ SIZES = ("tiny", "bench", "7b")
 BUILDER_VERSION = 4
 
 
+def find_builtin(family: str) -> Builtin:
+    """The built-in `family`, a VLM family or a text-only one (KeyError if none)."""
+    return BUILDERS[family] if family in BUILDERS else TEXT_BUILDERS[family]
+
+
 def available() -> list[tuple[str, str]]:
-    """Every (family, size) that can be built."""
-    return [(family, size) for family, builtin in BUILDERS.items() for size in builtin.specs]
+    """Every (family, size) that can be built, text-only built-ins too."""
+    return [(family, size) for family, b in {**BUILDERS, **TEXT_BUILDERS}.items() for size in b.specs]
 
 
 def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
@@ -311,19 +331,19 @@ def build_checkpoint(family: str, size: str, out: str | os.PathLike) -> Path:
 
     if (family, size) not in available():
         raise ValueError(f"unknown built-in checkpoint {family}/{size}; choose one of {available()}")
-    builtin = BUILDERS[family]
-    spec = builtin.specs[size]
+    chosen = find_builtin(family)
+    spec = chosen.specs[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
     if spec.fast_build:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with drawing_weights(spec, device):
-            builtin.build(spec, out)
+            chosen.build(spec, out)
         if device == "cuda":
             torch.cuda.empty_cache()  # the process may serve next (a replica that built it): free the GPU
     else:
-        builtin.build(spec, out)
+        chosen.build(spec, out)
     (out / "iris_builtin.json").write_text(
         json.dumps({"family": family, "size": size, "builder_version": BUILDER_VERSION, "seed": SEED}, indent=2)
     )
@@ -347,7 +367,7 @@ def drawing_weights(spec: Spec, device: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=FAMILIES, required=True)
+    parser.add_argument("--family", choices=(*FAMILIES, *TEXT_BUILDERS), required=True)
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args()
