@@ -126,12 +126,16 @@ def test_an_image_for_the_text_model_is_a_400(models_app):
 
 
 def test_tokenize_is_routed_by_model(models_app):
+    """The same chat through each model's chat template: LLaVA's `USER: ... ASSISTANT:` and
+    Qwen2-VL's `<|im_start|>` turns give other tokens (their byte-level vocabularies agree)."""
+    body = {"messages": [{"role": "user", "content": "hello"}]}
     tokens = {
-        name: httpx.post(f"{models_app.url}/tokenize", json={"model": name, "prompt": "hello"}, timeout=60).json()
+        name: httpx.post(f"{models_app.url}/tokenize", json={**body, "model": name}, timeout=60).json()["tokens"]
         for name in ("llava", "qwen")
     }
-    # LLaVA's byte-level tokenizer and Qwen2-VL's give the same text other ids.
-    assert tokens["llava"]["tokens"] != tokens["qwen"]["tokens"], tokens
+    assert tokens["llava"] != tokens["qwen"], tokens
+    r = httpx.post(f"{models_app.url}/tokenize", json={**body, "model": "nobody"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_tenant_limits_of_one_model_bind_it_alone(models_app):
