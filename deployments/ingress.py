@@ -6,7 +6,8 @@ looked up in the feature cache, computed by Preprocess and VisionEncoder when mi
 an upload-free item nobody has). The body is parsed once, by vLLM's own request models; every
 media part is replaced by a part that names its key (pipeline/model/keyed_media.py), and the
 request goes to LLMDecode, whose vLLM answers it: its bodies, SSE chunks and errors. Text-only
-requests reach vLLM untouched.
+requests reach vLLM untouched. An app of several models routes each request to the stages of the
+model it names (deployments/model_routing.py).
 
 Every route but /health depends on `caller` (deployments/admission.py): the API key's tenant,
 or a 401 when keys are configured. Generation requests then pass their tenant's limits (429)
