@@ -1,18 +1,20 @@
 """Two models behind one Iris endpoint (`models:`): does one model's burst of new images hold
-the other's first tokens back?
+the other's first tokens back, and does sharing the endpoint add to it?
 
-One Iris app serves a VLM (`vlm`) and a text-only model (`text`), each with its own stages,
-deployed from serve_config.yaml as shipped with the per-model deployment names. Each round
-measures the text model's TTFT (sequential requests, `--text-requests` of them) three times:
-quiet, while `--burst-clients` clients send the VLM new images back to back, and quiet again.
-Per round: burst ÷ quiet (the first quiet phase) and the noise of the machine, quiet again ÷
-quiet; reported as medians with their spread over rounds.
+A VLM (`vlm`) and a text-only model (`text`), set up two ways in turn: `one-endpoint`, one Iris
+app of both (`models:`, each with its own stages, one Ingress), and `apart`, two Iris apps, one
+per model, each with its own Ingress and Ray instance: the control, with nothing of Iris shared.
+Each round measures the text model's TTFT (sequential requests, `--text-requests` of them) three
+times: quiet, while `--burst-clients` clients send the VLM new images back to back, and quiet
+again. Per round: burst ÷ quiet, and the machine's noise, quiet again ÷ quiet; reported per setup
+as medians with their spread over rounds. The setups run one after the other (three engines of
+each at once would not fit this machine's memory), each with its own quiet phases to compare with.
 
-What it says depends on where the models run: on a GPU cluster each model's engines and
-encoders are devices of their own, and what they share is the Ingress and the host's CPUs;
-on a 2-core machine everything shares the same two cores, so the burst's CPU work (decoding,
-the tower, the VLM's engine) takes them from the text model's engine, and a ratio above the
-noise measures that sharing, not Iris's routing.
+What the burst costs depends on where the models run: on a GPU cluster each model's engines and
+encoders have devices of their own, and what they share is the Ingress and the hosts' CPUs; on a
+2-core machine everything shares the same two cores, so the burst's CPU work (decoding, the tower,
+the VLM's engine) takes them from the text model's engine in both setups; what sharing the endpoint
+adds is the difference between the setups.
 
     python -m bench two-models
     python -m bench two-models --rounds 5 --burst-clients 4
@@ -27,6 +29,7 @@ import asyncio
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.harness import results, systems
@@ -36,6 +39,7 @@ from bench.harness.workloads import WorkloadFactory, hash_str
 from deployments.config import MODEL_FIELDS
 
 NAMES = ("vlm", "text")
+SETUPS = ("one-endpoint", "apart")
 STAGES = {"vlm": ("Preprocess", "VisionEncoder", "LLMDecode"), "text": ("LLMDecode",)}
 
 
@@ -60,18 +64,25 @@ def two_model_config(config: dict, text_checkpoint: str) -> None:
     ]
 
 
+def one_model_config(config: dict, name: str, text_checkpoint: str) -> None:
+    """The same, as an app of the one model `name` (the `apart` setup): the VLM as set up, or the
+    text model in its place, with LLMDecode only."""
+    args = config["applications"][0]["args"]
+    args["served_model_name"] = name
+    if name == "text":
+        args["model"] = text_checkpoint
+        app = config["applications"][0]
+        app["deployments"] = [d for d in app["deployments"] if d["name"] in ("Ingress", *STAGES["text"])]
+
+
 async def measure_text(
-    system: systems.RunningSystem,
-    factory: WorkloadFactory,
-    n: int,
-    burst_clients: int,
-    burst_seed: int,
-    settle_s: float,
+    urls: dict[str, list[str]], factory: WorkloadFactory, n: int, burst_clients: int, burst_seed: int, settle_s: float
 ) -> tuple[list[RequestRecord], list[RequestRecord], float]:
     """The text model's n sequential requests, with burst_clients clients sending the VLM new images
-    (0: none). Returns the text model's records, the VLM's, and the burst's duration."""
-    text = LoadClient(system.base_urls, "text")
-    vlm = LoadClient(system.base_urls, "vlm")
+    (0: none). `urls`: each model's base URLs. Returns the text model's records, the VLM's, and the
+    burst's duration."""
+    text = LoadClient(urls["text"], "text")
+    vlm = LoadClient(urls["vlm"], "vlm")
     burst_task, stop = None, False
     if burst_clients:
         burst = WorkloadFactory(seed=burst_seed, max_tokens=factory.max_tokens).unique(100_000)
@@ -92,13 +103,13 @@ def _p50_ms(records: list[RequestRecord]) -> float | None:
     return round(percentile(ttft, 50), 1) if ttft else None
 
 
-def run_round(index: int, system: systems.RunningSystem, args) -> dict:
+def run_round(setup: str, index: int, urls: dict[str, list[str]], args) -> dict:
     row = {}
     for phase, clients in (("quiet", 0), ("burst", args.burst_clients), ("quiet_again", 0)):
-        factory = WorkloadFactory(seed=hash_str(f"{index}:{phase}") % 10**6, max_tokens=args.max_tokens)
-        seed = hash_str(f"burst:{index}") % 10**6
+        factory = WorkloadFactory(seed=hash_str(f"{setup}:{index}:{phase}") % 10**6, max_tokens=args.max_tokens)
+        seed = hash_str(f"{setup}:burst:{index}") % 10**6
         text_records, vlm_records, seconds = asyncio.run(
-            measure_text(system, factory, args.text_requests, clients, seed, args.settle_s)
+            measure_text(urls, factory, args.text_requests, clients, seed, args.settle_s)
         )
         row[phase] = {
             "text_ttft_p50_ms": _p50_ms(text_records),
@@ -112,38 +123,54 @@ def run_round(index: int, system: systems.RunningSystem, args) -> dict:
                 "vlm_images_per_s": round(sum(r.ok for r in vlm_records) / seconds, 2) if seconds else None,
                 "vlm_ttft_p50_ms": _p50_ms(vlm_records),
             }
-        print(f"round {index} {phase:>11}: text p50 TTFT {row[phase]['text_ttft_p50_ms']} ms", flush=True)
+        print(f"{setup} round {index} {phase:>11}: text p50 TTFT {row[phase]['text_ttft_p50_ms']} ms", flush=True)
     quiet, burst, again = (row[p]["text_ttft_p50_ms"] for p in ("quiet", "burst", "quiet_again"))
     row["burst_over_quiet"] = round(burst / quiet, 3) if burst and quiet else None
     row["quiet_again_over_quiet"] = round(again / quiet, 3) if again and quiet else None
     return row
 
 
-def markdown(run: dict) -> str:
-    s = run["summary"]
+def summary(rounds: list[dict]) -> dict:
+    return {
+        **{
+            f"{p}_p50_ms": median_and_range([r[p]["text_ttft_p50_ms"] for r in rounds])
+            for p in ("quiet", "burst", "quiet_again")
+        },
+        "vlm_images_per_s": median_and_range([r["burst"]["vlm_images_per_s"] for r in rounds]),
+        "burst_over_quiet": median_and_range([r["burst_over_quiet"] for r in rounds]),
+        "quiet_again_over_quiet": median_and_range([r["quiet_again_over_quiet"] for r in rounds]),
+    }
 
+
+def markdown(run: dict) -> str:
     def cell(stat: dict, digits: int = 0) -> str:
         if stat["median"] is None:
             return "–"
         return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
 
+    rows = [
+        ("text model's TTFT p50, quiet (ms)", "quiet_p50_ms", 0),
+        ("during the VLM's burst (ms)", "burst_p50_ms", 0),
+        ("quiet again (ms)", "quiet_again_p50_ms", 0),
+        ("VLM images/s during the burst", "vlm_images_per_s", 1),
+        ("**burst ÷ quiet**", "burst_over_quiet", 2),
+        ("noise: quiet again ÷ quiet", "quiet_again_over_quiet", 2),
+    ]
+    setups = list(run["setups"])
     return "\n".join(
         [
             f"# Two models, one endpoint ({results.label(run['machine'])}, commit {run['commit']})",
             "",
             f"`vlm` = {run['vlm']}, `text` = {run['text']}; the text model's TTFT over {run['text_requests']} "
             f"sequential requests per phase, the VLM's burst from {run['burst_clients']} clients of new images; "
-            f"{len(run['rounds'])} rounds; median over rounds (min–max).",
+            f"{run['rounds']} rounds per setup; median over rounds (min–max).",
             "",
-            "| text model's TTFT p50 (ms) | |",
-            "|---|---|",
-            f"| quiet | {cell(s['quiet_p50_ms'])} |",
-            f"| during the VLM's burst | {cell(s['burst_p50_ms'])} |",
-            f"| quiet again | {cell(s['quiet_again_p50_ms'])} |",
-            f"| VLM images/s during the burst | {cell(s['vlm_images_per_s'], 2)} |",
-            "",
-            f"burst ÷ quiet: **{cell(s['burst_over_quiet'], 2)}**; noise, quiet again ÷ quiet: "
-            f"{cell(s['quiet_again_over_quiet'], 2)}.",
+            "| | " + " | ".join(setups) + " |",
+            "|---|" + "---|" * len(setups),
+            *(
+                f"| {label} | " + " | ".join(cell(run["setups"][s]["summary"][key], d) for s in setups) + " |"
+                for label, key, d in rows
+            ),
             "",
         ]
     )
@@ -176,31 +203,31 @@ def main(argv: list[str]) -> None:
         "text": args.text,
         "burst_clients": args.burst_clients,
         "text_requests": args.text_requests,
+        "rounds": args.rounds,
         "logs": str(log_dir),
-        "rounds": [],
+        "setups": {},
     }
     started = time.perf_counter()
-    system = systems.start(
-        "iris", 1, engine, log_dir, edit_config=lambda config: two_model_config(config, text_checkpoint)
-    )
-    try:
-        run["warm_up"] = warm_up(LoadClient(system.base_urls, "vlm"), WorkloadFactory(1))
-        asyncio.run(LoadClient(system.base_urls, "text").closed_loop(WorkloadFactory(2).text(4), 1))
-        for i in range(args.rounds):
-            run["rounds"].append(run_round(i, system, args))
-    finally:
-        system.stop()
+    for setup in SETUPS:
+        running: dict[str, systems.RunningSystem] = {}
+        try:
+            if setup == "one-endpoint":
+                edit = partial(two_model_config, text_checkpoint=text_checkpoint)
+                running["both"] = systems.start("iris", 1, engine, log_dir / setup, edit_config=edit)
+                urls = dict.fromkeys(NAMES, running["both"].base_urls)
+            else:
+                for name in NAMES:
+                    edit = partial(one_model_config, name=name, text_checkpoint=text_checkpoint)
+                    running[name] = systems.start("iris", 1, engine, log_dir / setup / name, edit_config=edit)
+                urls = {name: running[name].base_urls for name in NAMES}
+            warm = warm_up(LoadClient(urls["vlm"], "vlm"), WorkloadFactory(1))
+            asyncio.run(LoadClient(urls["text"], "text").closed_loop(WorkloadFactory(2).text(4), 1))
+            rounds = [run_round(setup, i, urls, args) for i in range(args.rounds)]
+        finally:
+            for system in running.values():
+                system.stop()
+        run["setups"][setup] = {"warm_up": warm, "rounds": rounds, "summary": summary(rounds)}
     run["seconds"] = round(time.perf_counter() - started, 1)
-    rounds = run["rounds"]
-    run["summary"] = {
-        **{
-            f"{p}_p50_ms": median_and_range([r[p]["text_ttft_p50_ms"] for r in rounds])
-            for p in ("quiet", "burst", "quiet_again")
-        },
-        "vlm_images_per_s": median_and_range([r["burst"]["vlm_images_per_s"] for r in rounds]),
-        "burst_over_quiet": median_and_range([r["burst_over_quiet"] for r in rounds]),
-        "quiet_again_over_quiet": median_and_range([r["quiet_again_over_quiet"] for r in rounds]),
-    }
     text = markdown(run)
     results.save(run, args.out, text)
     print(text)

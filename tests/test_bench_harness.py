@@ -862,6 +862,7 @@ def test_entry_point_dispatches_each_experiment_its_arguments(monkeypatch):
         "json-body",
         "ec-connector",
         "upload_free",
+        "two-models",
     }
     for name, (module_name, _) in EXPERIMENTS.items():
         module = importlib.import_module(module_name)
@@ -1717,3 +1718,32 @@ def test_a_variant_is_its_system_with_environment_of_its_own_compared_with_it_an
         ("iris-haproxy@mp", "rayllm"),
         ("iris-haproxy@mp", "vllm@x"),
     ]
+
+
+def test_two_models_bench_configs_are_apps_of_the_models_it_names():
+    """bench two-models's setups: one app of both models (the VLM's stages and the text model's
+    LLMDecode under their per-model names, as the app builds them) and an app of each alone."""
+    from bench import two_models
+    from bench.harness import systems
+    from deployments.app import deployment_name
+    from deployments.config import IrisConfig
+
+    engine = systems.EngineSettings("/ckpt", "float32")
+    both = systems.iris_config(engine, 1, 8000, cache=True, namespace="x")
+    two_models.two_model_config(both, "/text")
+    app = both["applications"][0]
+    config = IrisConfig.model_validate(app["args"])
+    vlm, text = config.model_configs()
+    assert (vlm.model, vlm.model_name, text.model, text.model_name) == ("/ckpt", "vlm", "/text", "text")
+    assert text.engine_args == vlm.engine_args
+    expected = ["Ingress"] + [
+        deployment_name(stage, config, model)
+        for model, stages in ((vlm, ("Preprocess", "VisionEncoder", "LLMDecode")), (text, ("LLMDecode",)))
+        for stage in stages
+    ]
+    assert [d["name"] for d in app["deployments"]] == expected
+    for name, deployments in (("vlm", 4), ("text", 2)):
+        alone = systems.iris_config(engine, 1, 8000, cache=True, namespace="x")
+        two_models.one_model_config(alone, name, "/text")
+        one = alone["applications"][0]
+        assert IrisConfig.model_validate(one["args"]).model_name == name and len(one["deployments"]) == deployments
