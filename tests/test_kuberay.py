@@ -374,25 +374,6 @@ def test_broken_placement_is_caught():
 # ---- the two-model variant (cluster/two_models/): a VLM and a text-only model behind one endpoint ----
 
 TWO_MODELS = ROOT / "cluster/two_models/rayservice.yaml"
-# Args of one model: with `models` they are set in its entry, never at the top level of the args.
-PER_MODEL_ARGS = {
-    "model",
-    "served_model_name",
-    "engine_args",
-    "dtype",
-    "max_images_per_prompt",
-    "max_videos_per_prompt",
-    "encoder_batch_size",
-    "encoder_batch_wait_s",
-    "encoder_batch_max_tokens",
-    "stream_interval_s",
-    "encoder_cpu_threads",
-    "preprocess_cpu_threads",
-    "decoder_features",
-    "decode_placement",
-    "max_tokens_limit",
-    "max_text_bytes_per_token",
-}
 # The variant's text-only model, hard-coded here (the app tells one from its checkpoint's config):
 # it gets an LLMDecode of its own and no Preprocess or VisionEncoder.
 TEXT_ONLY = {"Qwen/Qwen2.5-7B-Instruct"}
@@ -445,8 +426,10 @@ def test_two_model_manifest_is_generated_and_matches_the_crd(validator):
 def test_two_model_args_hold_the_models_and_no_top_level_per_model_arg():
     args = _app(_two_models_manifest())["args"]
     assert [e["model"] for e in args["models"]] == ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"]
-    assert sorted(PER_MODEL_ARGS & set(args)) == []
-    assert all(set(e) <= PER_MODEL_ARGS for e in args["models"]), args["models"]
+    from deployments.config import MODEL_FIELDS
+
+    assert sorted(set(MODEL_FIELDS) & set(args)) == []  # a model's args in its entry, none at the top level
+    assert all(set(e) <= set(MODEL_FIELDS) for e in args["models"]), args["models"]
     assert len({_model_suffix(e) for e in args["models"]}) == 2  # two names clients tell apart
     assert args["cache"]["redis_url"] == "redis://:${IRIS_REDIS_PASSWORD}@iris-redis:6379/0"  # shared
     from deployments.config import IrisConfig
