@@ -161,7 +161,8 @@ def markdown(run: dict) -> str:
         [
             f"# Two models, one endpoint ({results.label(run['machine'])}, commit {run['commit']})",
             "",
-            f"`vlm` = {run['vlm']}, `text` = {run['text']}; the text model's TTFT over {run['text_requests']} "
+            f"`{run['system']}`; `vlm` = {run['vlm']}, `text` = {run['text']}; "
+            f"the text model's TTFT over {run['text_requests']} "
             f"sequential requests per phase, the VLM's burst from {run['burst_clients']} clients of new images; "
             f"{run['rounds']} rounds per setup; median over rounds (min–max).",
             "",
@@ -180,6 +181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = results.parser("two-models", __doc__)
     parser.add_argument("--vlm", default="builtin:tiny-llava")
     parser.add_argument("--text", default="builtin:tiny-llama")
+    parser.add_argument(
+        "--system", default="iris-haproxy", help="iris-haproxy (HAProxy in front, as shipped) or iris (Serve's proxy)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst-clients", type=int, default=4)
     parser.add_argument("--text-requests", type=int, default=12, help="the text model's requests per phase")
@@ -199,6 +203,7 @@ def main(argv: list[str]) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="iris-two-models-"))
     run = {
         **results.provenance(results.command_line("two-models", argv)),
+        "system": args.system,
         "vlm": args.vlm,
         "text": args.text,
         "burst_clients": args.burst_clients,
@@ -213,12 +218,12 @@ def main(argv: list[str]) -> None:
         try:
             if setup == "one-endpoint":
                 edit = partial(two_model_config, text_checkpoint=text_checkpoint)
-                running["both"] = systems.start("iris", 1, engine, log_dir / setup, edit_config=edit)
+                running["both"] = systems.start(args.system, 1, engine, log_dir / setup, edit_config=edit)
                 urls = dict.fromkeys(NAMES, running["both"].base_urls)
             else:
                 for name in NAMES:
                     edit = partial(one_model_config, name=name, text_checkpoint=text_checkpoint)
-                    running[name] = systems.start("iris", 1, engine, log_dir / setup / name, edit_config=edit)
+                    running[name] = systems.start(args.system, 1, engine, log_dir / setup / name, edit_config=edit)
                 urls = {name: running[name].base_urls for name in NAMES}
             warm = warm_up(LoadClient(urls["vlm"], "vlm"), WorkloadFactory(1))
             asyncio.run(LoadClient(urls["text"], "text").closed_loop(WorkloadFactory(2).text(4), 1))
