@@ -7,7 +7,6 @@ are Serve's own `deployments:` options in serve_config.yaml.
 from __future__ import annotations
 
 import re
-from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -263,10 +262,6 @@ class IrisConfig(BaseModel):
 
     def model_configs(self) -> list[IrisConfig]:
         """One config per model served: the app's settings with each entry's (or this one, without `models`)."""
-        return self._model_configs
-
-    @cached_property
-    def _model_configs(self) -> list[IrisConfig]:  # built once: each entry is checked by vLLM's parser
         if not self.models:
             return [self]
         configs = []
