@@ -75,7 +75,7 @@ class Builtin:
     # Where its fidelity test runs: "app", a whole Iris app against `vllm serve` on the same
     # checkpoint (tests/test_families.py), or "engine", Iris's image path against vLLM's own
     # engine, one process per family (tests/test_family_engines.py: what CI has time for).
-    # ("decode" for a text-only built-in: LLMDecode against vLLM's engine, tests/test_text_model.py.)
+    # ("several-models" for a text-only built-in: served beside VLMs, tests/test_several_models.py.)
     tested: str = "app"
     # engine_args its checkpoints need, as any checkpoint of their format does (trust_remote_code for
     # checkpoint code): what the tests and the family table serve it with.
@@ -301,7 +301,7 @@ TEXT_BUILDERS = {
         "Llama (text only)",
         {"tiny": BUILDERS["llava"].specs["tiny"]},  # LLaVA's language model and tokenizer alone
         llama.build,
-        tested="decode",  # tests/test_text_model.py: LLMDecode against vLLM's engine
+        tested="several-models",  # tests/test_several_models.py: served beside two VLMs in one app
     ),
 }
 FAMILIES = tuple(BUILDERS)
