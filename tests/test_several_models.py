@@ -167,3 +167,15 @@ def test_tenant_limits_of_one_model_bind_it_alone(models_app):
                     second.close()
             finally:
                 first.close()
+
+
+def test_the_text_models_decode_refuses_media_keys_itself(models_app):
+    """Behind the Ingress's own 400: a call with media keys that reached the text model's LLMDecode
+    anyway is a 400 there, and the replica serves on."""
+    from pipeline.stage_io import DecodeCall, DecodeOpened
+
+    decode = models_app.handle("LLMDecode:text").options(stream=True)
+    first = next(iter(decode.generate.remote(DecodeCall("chat", None, ["iris:forged"], ["image"]))))
+    assert isinstance(first, DecodeOpened) and first.error is not None
+    assert first.error.status_code == 400 and "text-only" in first.error.message, first.error
+    assert chat(models_app, "text").json()["model"] == "text"
